@@ -1,0 +1,78 @@
+"""What the user sees: one line per epoch, a progress bar on terminals, a final summary.
+
+Ray's own INFO/WARNING chatter goes to `logs/driver.log` in the run directory unless
+`--verbose`; worker output stays in Ray's log files (copied into the run directory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+import click
+
+
+def route_ray_logs(log_file: Optional[str], verbose: bool) -> None:
+    """Send the `ray` loggers to a file instead of the console (or show them, with --verbose)."""
+    ray_logger = logging.getLogger("ray")
+    for handler in list(ray_logger.handlers):
+        ray_logger.removeHandler(handler)
+    if verbose:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        ray_logger.propagate = True
+    elif log_file:
+        os.makedirs(os.path.dirname(log_file), exist_ok=True)
+        handler = logging.FileHandler(log_file)
+        ray_logger.propagate = False
+    else:
+        handler = logging.NullHandler()
+        ray_logger.propagate = False
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ray_logger.addHandler(handler)
+    ray_logger.setLevel(logging.INFO if verbose or log_file else logging.ERROR)
+
+
+def epoch_line(m: dict, epochs: int) -> str:
+    width = len(str(epochs))
+    return (f"epoch {m['epoch']:>{width}}/{epochs} | train_loss {m['train_loss']:.4f} | eval_loss {m['eval_loss']:.4f}"
+            f" | eval_acc {m['eval_accuracy'] * 100:6.2f}% | {m['samples_per_s']:,.0f} samples/s"
+            f" | lr {m['lr']:.2e} | {m['epoch_time_s']:.1f}s")
+
+
+class Progress:
+    """A tqdm bar per epoch, driven by rank 0's progress events; silent when not on a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def update(self, epoch: int, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if self.bar is None or self.bar.desc != f"epoch {epoch}":
+            self.close()
+            self.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", leave=False, file=sys.stdout)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def write(self, line: str) -> None:
+        self.close()
+        click.echo(line)
+
+
+def summary_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    rule = "-" * (width + 2 + max(len(v) for _, v in rows))
+    return "\n".join([rule, *(f"{k:<{width}}  {v}" for k, v in rows), rule])
+
+
+def error(message: str) -> None:
+    click.echo(f"error: {message}", err=True)

@@ -1,0 +1,106 @@
+"""The `data:` config entry: build train/eval datasets and shard them across workers.
+
+Training uses `DistributedSampler` (shuffled, seeded, `set_epoch` every epoch). Evaluation uses
+`EvalShard`, which gives rank r the samples r, r+W, r+2W, ... with no padding, so that summed
+over ranks every eval sample counts exactly once whatever the dataset size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from raytrain_app import registry
+from raytrain_app.config import DataConfig
+from raytrain_app.data.arrays import ArrayDataset
+from raytrain_app.data.parquet import digits, parquet
+from raytrain_app.data.synthetic import synthetic
+from raytrain_app.data.vision import cifar10, fashion_mnist, mnist
+from raytrain_app.errors import UserError
+
+BUILTINS = {
+    "digits": digits,
+    "parquet": parquet,
+    "mnist": mnist,
+    "fashion_mnist": fashion_mnist,
+    "cifar10": cifar10,
+    "synthetic": synthetic,
+}
+
+
+@dataclass
+class Datasets:
+    train: Dataset
+    eval: Dataset
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def build_datasets(config: DataConfig) -> Datasets:
+    """Call the builder; it returns (train, eval) map-style datasets yielding (input, label)."""
+    context = {"eval_fraction": config.eval_fraction, "split_seed": config.split_seed}
+    built = registry.build(config.name, config.args, BUILTINS, "data", context)
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise UserError(f"data: '{config.name}' must return a (train, eval) pair of datasets, got {type(built).__name__}")
+    train, eval_ = built
+    for split_name, ds in (("training", train), ("eval", eval_)):
+        if len(ds) == 0:
+            raise UserError(f"data: '{config.name}' gave an empty {split_name} set")
+    x, _ = train[0]
+    return Datasets(train, eval_, tuple(x.shape), _num_classes(train, eval_))
+
+
+def _num_classes(*datasets: Dataset) -> int:
+    """Known labels for array datasets; otherwise the dataset may declare `num_classes`."""
+    declared = getattr(datasets[0], "num_classes", None)
+    if declared is not None:
+        return int(declared)
+    if all(isinstance(d, ArrayDataset) for d in datasets):
+        return int(max(int(d.y.max()) for d in datasets)) + 1
+    return 0  # unknown: the model's own default decides
+
+
+class EvalShard(Sampler[int]):
+    """Rank r's slice r::world of the eval set: disjoint, complete, never padded."""
+
+    def __init__(self, size: int, rank: int, world_size: int):
+        self.indices = range(rank, size, world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, pin: bool) -> DataLoader:
+    # Array datasets return a whole collated batch from __getitems__; others use the default collate.
+    collate = _as_is if isinstance(dataset, ArrayDataset) else None
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      collate_fn=collate, pin_memory=pin, persistent_workers=workers > 0)
+
+
+def _as_is(batch):
+    return batch
+
+
+def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool):
+    if len(ds.train) < world_size * batch_size:
+        raise UserError(f"train.batch_size {batch_size} is larger than a worker's shard "
+                        f"({len(ds.train)} training samples over {world_size} workers)")
+    sampler = DistributedSampler(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return _loader(ds.train, sampler, batch_size, workers, pin), sampler
+
+
+def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool) -> DataLoader:
+    return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin)
+
+
+def check_labels(ds: Datasets, num_outputs: int) -> None:
+    """Labels must index the model's outputs; cross_entropy would fail later with a cryptic device assert."""
+    for name, d in (("training", ds.train), ("eval", ds.eval)):
+        if isinstance(d, ArrayDataset):
+            lo, hi = int(d.y.min()), int(d.y.max())
+            if lo < 0 or hi >= num_outputs:
+                raise UserError(f"{name} labels range over [{lo}, {hi}] but the model has {num_outputs} outputs")

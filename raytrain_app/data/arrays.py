@@ -1,0 +1,92 @@
+"""In-memory datasets as tensors, fetched a whole batch at a time.
+
+Every built-in dataset is small enough to hold in memory, so a batch is one indexing operation
+(`x[idx]`) rather than `batch_size` Python calls and a collate: this is what keeps the loop's
+step time at the hand-written loop's. Pixels stay uint8 until a batch is taken, then are
+normalised with statistics of the training split.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from raytrain_app.errors import UserError
+
+
+class ArrayDataset(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, augment: bool = False):
+        self.x, self.y = x, y
+        self.mean, self.std = mean, std
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        x, y = self.__getitems__([i])
+        return x[0], y[0]
+
+    def __getitems__(self, idx: Sequence[int]):
+        idx = torch.as_tensor(idx)
+        x = (self.x[idx].float() - self.mean) / self.std
+        if self.augment:
+            x = flip_and_crop(x)
+        return x, self.y[idx]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+
+def flip_and_crop(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
+    """The standard CIFAR augmentation on a whole batch: random horizontal flip, random crop after padding."""
+    n, _, h, w = x.shape
+    flip = torch.rand(n) < 0.5
+    x = torch.where(flip[:, None, None, None], x.flip(3), x)
+    padded = F.pad(x, (pad, pad, pad, pad)).permute(0, 2, 3, 1)  # N, H, W, C for one gather
+    dy, dx = torch.randint(0, 2 * pad + 1, (2, n))
+    rows = (dy[:, None] + torch.arange(h))[:, :, None]
+    cols = (dx[:, None] + torch.arange(w))[:, None, :]
+    return padded[torch.arange(n)[:, None, None], rows, cols].permute(0, 3, 1, 2)
+
+
+def make_pair(
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    x_eval: torch.Tensor,
+    y_eval: torch.Tensor,
+    resize: int = 0,
+    augment: bool = False,
+) -> tuple[ArrayDataset, ArrayDataset]:
+    """Train and eval datasets that share the training split's per-channel mean and std."""
+    if len(y_train) == 0 or len(y_eval) == 0:
+        raise UserError(f"dataset is empty: {len(y_train)} training and {len(y_eval)} eval samples")
+    if resize:
+        x_train, x_eval = _resize(x_train, resize), _resize(x_eval, resize)
+    dims = [0] + list(range(2, x_train.dim())) if x_train.dim() > 2 else [0]
+    sample = x_train[: 50_000].float()
+    mean = sample.mean(dim=dims, keepdim=True)[0]
+    std = sample.std(dim=dims, keepdim=True)[0].clamp_min(1e-6)
+    return (ArrayDataset(x_train, y_train.long(), mean, std, augment), ArrayDataset(x_eval, y_eval.long(), mean, std))
+
+
+def split(x: torch.Tensor, y: torch.Tensor, eval_fraction: float, seed: int):
+    """A fixed random split, for datasets that ship without a test set."""
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_eval = max(1, round(len(y) * eval_fraction))
+    ev, tr = order[:n_eval], order[n_eval:]
+    return x[tr], y[tr], x[ev], y[ev]
+
+
+def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    if x.dim() != 4:
+        raise UserError(f"data.args.resize needs images shaped (C, H, W), got samples shaped {tuple(x.shape[1:])}")
+    return F.interpolate(x.float(), size=(size, size), mode="bilinear", align_corners=False)
+
+
+def num_classes_of(*labels: torch.Tensor, declared: Optional[int] = None) -> int:
+    return declared if declared is not None else int(max(int(y.max()) for y in labels)) + 1

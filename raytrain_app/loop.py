@@ -1,0 +1,250 @@
+"""The training loop every Ray Train worker runs, top to bottom.
+
+Ray Train has already started this process, set its device and joined it to the process group
+(NCCL or Gloo) when `train_loop_per_worker` is called. From there it is plain DDP:
+
+    build data and model -> wrap in DDP -> restore a checkpoint if there is one ->
+    for each epoch: set_epoch, train, evaluate, all-reduce metrics, report (+ checkpoint)
+
+`train_epoch` and `evaluate` take no Ray objects, so benchmarks time them without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+import time
+from contextlib import nullcontext
+from typing import Callable, Optional
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raytrain_app import checkpoint
+from raytrain_app.checkpoint import TrainState
+from raytrain_app.config import JobConfig
+from raytrain_app.data import build_datasets, check_labels, eval_loader, train_loader
+from raytrain_app.metrics import Totals, global_max
+from raytrain_app.models import build_model
+from raytrain_app.optim import build_optimizer, build_schedule
+
+PROGRESS_INTERVAL_S = 0.5
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    job = JobConfig.from_dict(loop_config["job"])
+    events = loop_config["events"]  # a ray.util.queue.Queue read by the driver's console
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    log = _rank_logger(loop_config["log_dir"], rank)
+    log.info("rank %d/%d on node %s, device %s", rank, world_size, ray.get_runtime_context().get_node_id(), device)
+    try:
+        _run(job, rank, world_size, device, events, loop_config["progress"], log)
+    except BaseException:
+        log.exception("rank %d failed", rank)
+        raise
+
+
+def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, events, progress: bool, log) -> None:
+    tc = job.train
+
+    # Same seed on every rank for the model's initial weights (DDP broadcasts rank 0's anyway,
+    # and a 1-worker run starts from the same weights), then a per-rank seed for dropout/augmentation.
+    seed_everything(job.seed)
+    data = build_datasets(job.data)
+    model = build_model(job.model, data.input_shape, data.num_classes)
+    if tc.sync_batchnorm and world_size > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(device)
+    check_labels(data, _num_outputs(model, data, device))
+    seed_everything(job.seed + rank)
+
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world_size > 1 else model
+    train_model = torch.compile(ddp_model, mode=None if tc.compile == "default" else tc.compile) \
+        if tc.compile != "off" else ddp_model
+
+    pin = device.type == "cuda"
+    train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, job.data.loader_workers, pin)
+    eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, job.data.loader_workers, pin)
+    steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
+
+    optimizer = build_optimizer(model.parameters(), job.optimizer, world_size)
+    precision = Precision(tc.precision, device)
+    state = TrainState(model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
+                       precision.scaler)
+
+    resumed = ray.train.get_checkpoint()
+    if resumed:
+        with resumed.as_directory() as directory:
+            checkpoint.restore(directory, state, rank)
+        log.info("resumed from %s at epoch %d, step %d", resumed.path, state.epoch, state.step)
+
+    for epoch in range(state.epoch, tc.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        on_batch = _progress_reporter(events, epoch, len(train_dl)) if progress and rank == 0 else None
+        t0 = time.perf_counter()
+        train_totals = train_epoch(train_model, train_dl, state, precision, tc.grad_accum_steps, tc.grad_clip,
+                                   device, on_batch)
+        train_time = time.perf_counter() - t0
+        eval_totals = evaluate(model, eval_dl, precision, device)
+
+        train_totals.all_reduce()
+        eval_totals.all_reduce()
+        slowest = global_max(train_time, device)
+        state.epoch = epoch + 1
+        metrics = {
+            "epoch": state.epoch,
+            "step": state.step,
+            "train_loss": train_totals.loss,
+            "eval_loss": eval_totals.loss,
+            "eval_accuracy": eval_totals.accuracy,
+            "eval_samples": eval_totals.count,
+            "samples_per_s": train_totals.count / slowest,
+            "epoch_time_s": slowest,
+            "world_size": world_size,
+            "lr": optimizer.param_groups[0]["lr"],
+        }
+        log.info("epoch %d %s", state.epoch, metrics)
+
+        if state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs:
+            with tempfile.TemporaryDirectory() as directory:
+                checkpoint.save(directory, state, rank, job.to_dict())
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        else:
+            ray.train.report(metrics)
+        if rank == 0:
+            events.put(("epoch", metrics))
+
+
+def train_epoch(
+    model: nn.Module,
+    loader,
+    state: TrainState,
+    precision: "Precision",
+    accum_steps: int,
+    grad_clip: Optional[float],
+    device: torch.device,
+    on_batch: Optional[Callable[[int], None]] = None,
+) -> Totals:
+    """One pass over this rank's shard; returns its unreduced loss totals.
+
+    With gradient accumulation, each optimizer step averages the gradients of up to
+    `accum_steps` micro-batches. DDP all-reduces on every backward unless told not to, so the
+    non-final micro-batches run under `no_sync()`: one all-reduce per optimizer step.
+    """
+    model.train()
+    totals = Totals(device)
+    n = len(loader)
+    for i, (x, y) in enumerate(loader):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        window_start = i - i % accum_steps
+        window_end = min(window_start + accum_steps, n)  # the epoch's last window may be shorter
+        last = i + 1 == window_end
+        sync = model.no_sync() if not last and hasattr(model, "no_sync") else nullcontext()
+        with sync:
+            with precision.autocast():
+                loss = F.cross_entropy(model(x), y)
+            precision.backward(loss / (window_end - window_start))
+        totals.add(loss, len(y))
+        if last:
+            precision.step(state.optimizer, state.model.parameters(), grad_clip)
+            state.optimizer.zero_grad(set_to_none=True)
+            state.scheduler.step()
+            state.step += 1
+        if on_batch:
+            on_batch(i + 1)
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, precision: "Precision", device: torch.device) -> Totals:
+    """Loss and accuracy over this rank's unpadded eval shard.
+
+    Takes the bare model, not the DDP wrapper: evaluation needs no gradient sync, and ranks may
+    hold one batch more or less than each other.
+    """
+    model.eval()
+    totals = Totals(device)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with precision.autocast():
+            logits = model(x)
+        totals.add(F.cross_entropy(logits.float(), y), len(y), (logits.argmax(1) == y).sum())
+    model.train()
+    return totals
+
+
+class Precision:
+    """fp32, bf16 autocast, or fp16 autocast with a GradScaler (fp16's range needs loss scaling)."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.device_type = device.type
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype) if self.dtype else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params, grad_clip: Optional[float]) -> None:
+        if grad_clip is not None:
+            if self.scaler:
+                self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _num_outputs(model: nn.Module, data, device: torch.device) -> int:
+    """Run one eval sample through the model: a shape mismatch fails here, with a clear message."""
+    x, _ = data.eval[0]
+    model.eval()
+    with torch.no_grad():
+        out = model(x[None].to(device))
+    model.train()
+    return out.shape[-1]
+
+
+def _progress_reporter(events, epoch: int, total: int) -> Callable[[int], None]:
+    """Rank 0 tells the driver its position at most every PROGRESS_INTERVAL_S, never blocking a step."""
+    last = 0.0
+
+    def report(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= PROGRESS_INTERVAL_S or done == total:
+            last = now
+            events.actor.put_nowait.remote(("progress", (epoch + 1, done, total)))
+
+    return report
+
+
+def _rank_logger(log_dir: Optional[str], rank: int) -> logging.Logger:
+    log = logging.getLogger(f"raytrain_app.rank{rank}")
+    log.setLevel(logging.INFO)
+    if log_dir and not log.handlers:
+        os.makedirs(log_dir, exist_ok=True)
+        handler = logging.FileHandler(os.path.join(log_dir, f"rank-{rank}.log"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+    log.propagate = False
+    return log

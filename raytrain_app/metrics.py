@@ -1,0 +1,49 @@
+"""Metrics summed over every rank, never rank 0's alone.
+
+Each rank keeps running sums on its device (one `.item()` per step would stall a GPU every
+step) and the epoch's totals are all-reduced once. Losses are sample-weighted: the mean over
+all samples seen by all ranks, which is what a single process over the same data would report.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Totals:
+    """Running sums of (loss x samples, correct predictions, samples) on one rank."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def add(self, mean_loss: torch.Tensor, count: int, correct: torch.Tensor | None = None) -> None:
+        self.sums[0] += mean_loss.detach() * count
+        self.sums[2] += count
+        if correct is not None:
+            self.sums[1] += correct
+
+    def all_reduce(self) -> "Totals":
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.sums)
+        return self
+
+    @property
+    def count(self) -> int:
+        return int(self.sums[2])
+
+    @property
+    def loss(self) -> float:
+        return float(self.sums[0] / self.sums[2])
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.sums[1] / self.sums[2])
+
+
+def global_max(value: float, device: torch.device) -> float:
+    """The slowest rank's time: global throughput is total samples over the longest rank's epoch."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)

@@ -1,0 +1,36 @@
+"""Optimizer and per-step LR schedule (linear warmup, then cosine or constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from raytrain_app.config import OptimizerConfig, ScheduleConfig
+
+
+def build_optimizer(params, config: OptimizerConfig, world_size: int) -> torch.optim.Optimizer:
+    # Linear scaling (Goyal et al.): with the per-worker batch fixed, W workers take W times
+    # larger global steps, so the LR grows with them.
+    lr = config.lr * (world_size if config.scale_lr == "linear" else 1)
+    if config.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, nesterov=config.nesterov,
+                               weight_decay=config.weight_decay)
+    cls = torch.optim.Adam if config.name == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def build_schedule(optimizer, config: ScheduleConfig, steps_per_epoch: int, epochs: int):
+    """A LambdaLR stepped once per optimizer step, so warmup and decay are smooth within epochs."""
+    total = max(1, steps_per_epoch * epochs)
+    warmup = round(config.warmup_epochs * steps_per_epoch)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.name == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,102 @@
+"""Config -> plan: everything decided and checked on the driver before Ray starts.
+
+The plan resolves "auto" choices (precision, backend), picks the run directory, and runs the
+cheap checks that would otherwise fail minutes later inside a worker: the data loads, the model
+accepts it, the labels fit the model, each worker's shard holds a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from raytrain_app import storage
+from raytrain_app.config import JobConfig
+from raytrain_app.errors import UserError
+
+# Ray Train V2 writes this into the run directory after every checkpoint; its presence means
+# there is something to resume, and that a fresh run must not reuse the directory.
+CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: JobConfig  # resolved: no "auto" left
+    run_dir: str  # absolute local path or URI
+    resume: bool
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.config.scaling.gpus_per_worker > 0
+
+    @property
+    def resources_per_worker(self) -> dict:
+        s = self.config.scaling
+        return {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if self.use_gpu else {})}
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        """Worker and Ray logs are written where the driver can also read them: local run dirs only."""
+        return os.path.join(self.run_dir, "logs") if storage.is_local(self.run_dir) else None
+
+
+def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = False, check: bool = True) -> RunPlan:
+    config = resolve_auto(config)
+    run_dir = storage.normalize(run_dir or _latest_or_new_run_dir(config.name, resume))
+    has_checkpoint = storage.exists(storage.join(run_dir, CHECKPOINT_SNAPSHOT))
+    if resume and not has_checkpoint:
+        raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
+    if not resume and has_checkpoint:
+        raise UserError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
+    if check:
+        preflight(config)
+    return RunPlan(config, run_dir, resume)
+
+
+def resolve_auto(config: JobConfig) -> JobConfig:
+    gpu = config.scaling.gpus_per_worker > 0
+    train = config.train
+    scaling = config.scaling
+    if train.precision == "auto":
+        train = dataclasses.replace(train, precision="bf16" if gpu else "fp32")
+    if scaling.backend == "auto":
+        scaling = dataclasses.replace(scaling, backend="nccl" if gpu else "gloo")
+    return dataclasses.replace(config, train=train, scaling=scaling)
+
+
+def preflight(config: JobConfig) -> None:
+    """Build the datasets and model once on the driver and check that they fit together."""
+    import torch
+
+    from raytrain_app.data import build_datasets, check_labels
+    from raytrain_app.models import build_model
+
+    if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.workers > 1:
+        raise UserError("train.sync_batchnorm needs GPU workers: PyTorch's SyncBatchNorm does not run on CPU")
+    data = build_datasets(config.data)
+    shard = len(data.train) // config.scaling.workers
+    if config.train.batch_size > shard:
+        raise UserError(f"train.batch_size {config.train.batch_size} is larger than a worker's shard "
+                        f"({len(data.train)} training samples over {config.scaling.workers} workers = {shard})")
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    x, _ = data.eval[0]
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x[None])
+    except Exception as e:
+        raise UserError(f"model '{config.model.name}' cannot take the data's inputs shaped "
+                        f"{tuple(x.shape)}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    check_labels(data, out.shape[-1])
+
+
+def _latest_or_new_run_dir(name: str, resume: bool) -> str:
+    if not resume:
+        return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    previous = sorted(d for d in os.listdir("runs") if d.startswith(f"{name}-")) if os.path.isdir("runs") else []
+    if not previous:
+        raise UserError(f"--resume: no earlier run of '{name}' under runs/; name one with --run-dir")
+    return os.path.join("runs", previous[-1])

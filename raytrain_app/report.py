@@ -1,0 +1,26 @@
+"""The end-of-run summary table."""
+
+from __future__ import annotations
+
+from raytrain_app.console import summary_table
+from raytrain_app.plan import RunPlan
+from raytrain_app.trainer import RunResult
+
+
+def summary(plan: RunPlan, result: RunResult) -> str:
+    last = result.history[-1] if result.history else result.metrics
+    best = result.best_metrics or {}
+    c = plan.config
+    rows = [
+        ("run", result.run_dir),
+        ("workers", f"{c.scaling.workers} x {c.scaling.backend}, {c.train.precision}"),
+        ("epochs", str(last.get("epoch", 0))),
+        ("final train_loss", f"{last.get('train_loss', float('nan')):.4f}"),
+        ("final eval_loss", f"{last.get('eval_loss', float('nan')):.4f}"),
+        ("final eval_accuracy", f"{last.get('eval_accuracy', 0) * 100:.2f}%"),
+        (f"best {c.checkpoint.metric}", f"{best.get(c.checkpoint.metric, float('nan')):.4f} (epoch {best.get('epoch', '-')})"),
+        ("best checkpoint", result.best_checkpoint or "-"),
+        ("throughput", f"{last.get('samples_per_s', 0):,.0f} samples/s"),
+        ("wall time", f"{result.wall_s:.1f}s"),
+    ]
+    return summary_table(rows)

@@ -1,0 +1,180 @@
+"""Plan -> Ray Train: build the TorchTrainer, run it, and collect what the workers report.
+
+The driver listens on a Ray queue for rank 0's events (per-epoch metrics, in-epoch progress)
+while `fit()` runs, prints them, and keeps `metrics.jsonl` in the run directory up to date.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import ray
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.queue import Empty, Queue
+
+from raytrain_app import storage
+from raytrain_app.config import CheckpointConfig, dump_yaml
+from raytrain_app.console import Progress, epoch_line
+from raytrain_app.errors import TrainingFailed, UserError
+from raytrain_app.loop import train_loop_per_worker
+from raytrain_app.plan import RunPlan
+
+# Ray Train polls its workers every 2 s by default, which adds up to that much to every start
+# and finish; polling a handful of local actors more often is cheap.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    history: list[dict]
+    best_checkpoint: Optional[str]
+    best_metrics: Optional[dict]
+    last_checkpoint: Optional[str]
+    wall_s: float
+    metrics: dict = field(default_factory=dict)
+
+
+def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult:
+    """Run the plan on the Ray cluster this process is connected to."""
+    config = plan.config
+    check_resources(plan)
+    storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
+    history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
+
+    events = Queue()
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"job": config.to_dict(), "events": events, "progress": progress,
+                           "log_dir": plan.log_dir},
+        scaling_config=ray.train.ScalingConfig(num_workers=config.scaling.workers, use_gpu=plan.use_gpu,
+                                               resources_per_worker=plan.resources_per_worker),
+        torch_config=TorchConfig(backend=config.scaling.backend, timeout_s=config.scaling.timeout_s),
+        run_config=ray.train.RunConfig(
+            name=os.path.basename(plan.run_dir),
+            storage_path=os.path.dirname(plan.run_dir),
+            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=config.checkpoint.keep,
+                checkpoint_score_attribute=config.checkpoint.metric,
+                checkpoint_score_order=config.checkpoint.mode,
+            ),
+        ),
+    )
+    listener = EventListener(events, history, Progress(progress), config.train.epochs, echo)
+    listener.start()
+    t0 = time.perf_counter()
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        raise _explain(e) from None
+    finally:
+        listener.stop()
+        ray.kill(events.actor)
+    best_checkpoint, best_metrics = _best(result.best_checkpoints or [], config.checkpoint)
+    return RunResult(
+        run_dir=plan.run_dir,
+        history=history.rows(),
+        best_checkpoint=best_checkpoint,
+        best_metrics=best_metrics,
+        last_checkpoint=result.checkpoint.path if result.checkpoint else None,
+        wall_s=time.perf_counter() - t0,
+        metrics=result.metrics or {},
+    )
+
+
+def _best(checkpoints: list, config: CheckpointConfig) -> tuple[Optional[str], Optional[dict]]:
+    if not checkpoints:
+        return None, None
+    pick = max if config.mode == "max" else min
+    checkpoint, metrics = pick(checkpoints, key=lambda cm: cm[1][config.metric])
+    return checkpoint.path, metrics
+
+
+def check_resources(plan: RunPlan) -> None:
+    """Fail now if the cluster cannot place the workers, rather than wait forever for them."""
+    s = plan.config.scaling
+    have = ray.cluster_resources()
+    for resource, per_worker in plan.resources_per_worker.items():
+        need = per_worker * s.workers
+        if have.get(resource, 0) < need:
+            raise UserError(f"the cluster has {have.get(resource, 0):g} {resource}s but {s.workers} workers x "
+                            f"{per_worker:g} {resource} need {need:g}")
+
+
+class MetricsLog:
+    """metrics.jsonl, one object per epoch; a re-run epoch (after a restart) replaces its row."""
+
+    def __init__(self, path: str, resume: bool):
+        self.path = path
+        self._rows: dict[int, dict] = {}
+        if resume and storage.exists(path):
+            for line in storage.read_text(path).splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self._rows[row["epoch"]] = row
+
+    def add(self, row: dict) -> None:
+        self._rows[row["epoch"]] = row
+        self._rows = {e: r for e, r in self._rows.items() if e <= row["epoch"]}
+        storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
+
+    def rows(self) -> list[dict]:
+        return [self._rows[e] for e in sorted(self._rows)]
+
+
+class EventListener(threading.Thread):
+    """Drains rank 0's events while fit() blocks the main thread."""
+
+    def __init__(self, events: Queue, log: MetricsLog, progress: Progress, epochs: int, echo):
+        super().__init__(daemon=True)
+        self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self._handle(*self.events.get(timeout=0.2))
+            except (Empty, ray.exceptions.RayError):
+                pass
+
+    def stop(self) -> None:
+        """Stop listening, then handle what is still queued (the last epoch's event may be)."""
+        self._stop_event.set()
+        self.join()
+        try:
+            while True:
+                self._handle(*self.events.get_nowait())
+        except (Empty, ray.exceptions.RayError):
+            pass
+        self.progress.close()
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "progress":
+            self.progress.update(*payload)
+        else:
+            self.log.add(payload)
+            self.progress.close()
+            self.echo(epoch_line(payload, self.epochs))
+
+
+def _explain(error: ray.train.TrainingFailedError) -> Exception:
+    """One line per failed rank: the exception's last line, not Ray's nested tracebacks."""
+    failures = getattr(error, "worker_failures", None) or {}
+    if failures and all(isinstance(e, UserError) for e in failures.values()):
+        return UserError(_last_line(next(iter(failures.values()))))
+    if not failures:
+        return TrainingFailed(_last_line(getattr(error, "controller_failure", error)))
+    parts = [f"rank {rank}: {_last_line(e)}" for rank, e in sorted(failures.items())]
+    return TrainingFailed("; ".join(parts))
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__
