@@ -36,13 +36,14 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, ver
     from raytrain_app.config import load_config
     from raytrain_app.plan import make_plan
 
+    sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as on the workers
     sets = list(overrides)
     if workers is not None:
         sets.append(f"scaling.workers={workers}")
     if gpus_per_worker is not None:
         sets.append(f"scaling.gpus_per_worker={gpus_per_worker}")
     with _exit_codes():
-        plan = make_plan(load_config(config_file, sets), run_dir=run_dir, resume=resume)
+        plan = make_plan(load_config(config_file, sets), run_dir=run_dir, resume=resume, source=config_file)
         click.echo(f"run {plan.run_dir}: {plan.config.scaling.workers} workers, {plan.config.scaling.backend}, "
                    f"{plan.config.train.precision}")
         from raytrain_app.cluster import embedded_cluster
@@ -73,3 +74,7 @@ class _exit_codes:
             click.echo("interrupted", err=True)
             sys.exit(130)
         return False
+
+
+if __name__ == "__main__":
+    main()

@@ -270,7 +270,8 @@ def check_scalar(tp: type, value: Any, key: str, source: str) -> Any:
     else:
         ok = isinstance(value, tp)
     if not ok:
-        raise ConfigError(f"{source}: {key} must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {_show(value)}")
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}{key} must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {_show(value)}")
     return value
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -39,6 +40,11 @@ PROGRESS_INTERVAL_S = 0.5
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
+    # Run where the user launched, as a hand-written DDP script would: relative data paths and
+    # "mypkg.models:build" import paths then mean the same on workers as on the driver.
+    if os.path.isdir(loop_config["cwd"]):
+        os.chdir(loop_config["cwd"])
+        sys.path.insert(0, loop_config["cwd"])
     job = JobConfig.from_dict(loop_config["job"])
     events = loop_config["events"]  # a ray.util.queue.Queue read by the driver's console
     ctx = ray.train.get_context()

@@ -15,7 +15,7 @@ from typing import Optional
 
 from raytrain_app import storage
 from raytrain_app.config import JobConfig
-from raytrain_app.errors import UserError
+from raytrain_app.errors import ConfigError, UserError
 
 # Ray Train V2 writes this into the run directory after every checkpoint; its presence means
 # there is something to resume, and that a fresh run must not reuse the directory.
@@ -43,7 +43,8 @@ class RunPlan:
         return os.path.join(self.run_dir, "logs") if storage.is_local(self.run_dir) else None
 
 
-def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = False, check: bool = True) -> RunPlan:
+def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = False, check: bool = True,
+              source: str = "config") -> RunPlan:
     config = resolve_auto(config)
     run_dir = storage.normalize(run_dir or _latest_or_new_run_dir(config.name, resume))
     has_checkpoint = storage.exists(storage.join(run_dir, CHECKPOINT_SNAPSHOT))
@@ -52,7 +53,10 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
     if not resume and has_checkpoint:
         raise UserError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
     if check:
-        preflight(config)
+        try:
+            preflight(config)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
     return RunPlan(config, run_dir, resume)
 
 

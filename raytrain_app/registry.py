@@ -51,7 +51,7 @@ def bind(fn: Callable, args: dict, key: str, context: dict) -> dict:
     for name, value in args.items():
         tp = hints.get(name)
         if tp in (bool, int, float, str):
-            args = {**args, name: check_scalar(tp, value, f"{key}.args.{name}", "config")}
+            args = {**args, name: check_scalar(tp, value, f"{key}.args.{name}", "")}
     kwargs = {k: v for k, v in context.items() if k in params or takes_any}
     kwargs.update(args)
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
@@ -62,5 +62,5 @@ def bind(fn: Callable, args: dict, key: str, context: dict) -> dict:
 
 
 def build(name: str, args: dict, builtins: dict[str, Callable], key: str, context: dict) -> Any:
-    fn = resolve(name, builtins, key)
+    fn = resolve(name, builtins, f"{key}.name")
     return fn(**bind(fn, args, key, context))

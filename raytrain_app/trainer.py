@@ -52,7 +52,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": config.to_dict(), "events": events, "progress": progress,
-                           "log_dir": plan.log_dir},
+                           "log_dir": plan.log_dir, "cwd": os.getcwd()},
         scaling_config=ray.train.ScalingConfig(num_workers=config.scaling.workers, use_gpu=plan.use_gpu,
                                                resources_per_worker=plan.resources_per_worker),
         torch_config=TorchConfig(backend=config.scaling.backend, timeout_s=config.scaling.timeout_s),

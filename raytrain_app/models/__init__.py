@@ -10,6 +10,7 @@ from torch import nn
 
 from raytrain_app import registry
 from raytrain_app.config import ModelConfig
+from raytrain_app.errors import ConfigError
 from raytrain_app.models.lenet import lenet
 from raytrain_app.models.mlp import mlp
 from raytrain_app.models.resnet import resnet18
@@ -17,14 +18,9 @@ from raytrain_app.models.resnet import resnet18
 BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18}
 
 
-def check_model(config: ModelConfig) -> None:
-    fn = registry.resolve(config.name, BUILTINS, "model.name")
-    registry.bind(fn, config.args, "model", {"input_shape": (), "num_classes": 0})
-
-
 def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     context = {"input_shape": tuple(input_shape), "num_classes": num_classes}
     model = registry.build(config.name, config.args, BUILTINS, "model", context)
     if not isinstance(model, nn.Module):
-        raise registry.ConfigError(f"model: '{config.name}' returned {type(model).__name__}, not a torch.nn.Module")
+        raise ConfigError(f"model: '{config.name}' returned {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -1,0 +1,19 @@
+"""One real Ray cluster for the whole session, on loopback, reused by every distributed test."""
+
+import os
+import logging
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    os.chdir(REPO)  # workers import "tests.helpers" from the driver's working directory
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,84 @@
+"""User-style builders that tests name by import path ("tests.helpers:NAME"), as users name theirs.
+
+They run inside real Ray Train workers, so what they record goes to files the test reads back.
+"""
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.train
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from raytrain_app.models import mlp
+
+
+def write_parquet(path, n: int, features: int = 8, classes: int = 3, seed: int = 0) -> None:
+    """A learnable classification table: label = argmax of a fixed linear map of the features."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype(np.float32)
+    y = (x @ rng.normal(size=(features, classes))).argmax(1)
+    table = pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), features),
+                      "label": pa.array(y.astype(np.int64))})
+    pq.write_table(table, path)
+
+
+class IndexDataset(Dataset):
+    """Sample i is the number i itself, so a model can see which samples it was given."""
+
+    num_classes = 2
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), i % 2
+
+
+def index_data(train_size: int = 20, eval_size: int = 5):
+    return IndexDataset(train_size), IndexDataset(eval_size)
+
+
+class Recorder(nn.Module):
+    """Appends every training batch's sample indices to out_dir/rank-R.txt, one line per batch."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+        self.linear = nn.Linear(1, 2)
+
+    def forward(self, x):
+        if self.training and x.shape[0] > 1:
+            rank = ray.train.get_context().get_world_rank()
+            with open(os.path.join(self.out_dir, f"rank-{rank}.txt"), "a") as f:
+                f.write(" ".join(str(int(v)) for v in x[:, 0]) + "\n")
+        return self.linear(x * 0.01)
+
+
+def recorder(out_dir: str) -> nn.Module:
+    return Recorder(out_dir)
+
+
+class CrashOnce(nn.Module):
+    """Raises on training forward call `crash_at` while `marker` exists: a real mid-run worker crash."""
+
+    def __init__(self, inner: nn.Module, marker: str, crash_at: int):
+        super().__init__()
+        self.inner, self.marker, self.crash_at, self.calls = inner, marker, crash_at, 0
+
+    def forward(self, x):
+        if self.training and x.shape[0] > 1:
+            self.calls += 1
+            if self.calls == self.crash_at and os.path.exists(self.marker):
+                raise RuntimeError("injected crash")
+        return self.inner(x)
+
+
+def crashing_mlp(input_shape: tuple, num_classes: int, marker: str, crash_at: int) -> nn.Module:
+    return CrashOnce(mlp(input_shape, num_classes, hidden=[32], dropout=0.2), marker, crash_at)

@@ -1,0 +1,76 @@
+"""The `raytrain-app` command as a user runs it: a real process, its exit code and its console."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "raytrain_app.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cli") / "digits"
+    return run_dir, cli("train", "examples/digits.yaml", "--workers", "2", "--run-dir", str(run_dir))
+
+
+def test_digits_example_trains_to_95_percent(digits_run):
+    run_dir, proc = digits_run
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == list(range(1, 13))
+    for key in ("epoch", "train_loss", "eval_loss", "eval_accuracy", "samples_per_s", "world_size", "lr"):
+        assert key in rows[-1]
+    assert rows[-1]["world_size"] == 2 and rows[-1]["eval_accuracy"] >= 0.95
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["scaling"]["backend"] == "gloo"
+    assert sorted(run_dir.glob("checkpoint_*/state.pt")) and (run_dir / "logs" / "rank-1.log").exists()
+
+
+def test_console_holds_only_our_lines(digits_run):
+    _, proc = digits_run
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("run ") and sum(line.startswith("epoch ") for line in lines) == 12
+    assert "final eval_accuracy" in proc.stdout and "best checkpoint" in proc.stdout
+    assert not [line for line in lines if re.search(r"\b(INFO|WARNING)\b|RayTrainWorker|pid=", line)]
+
+
+def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
+    run_dir, _ = digits_run
+    proc = cli("train", "examples/digits.yaml", "--run-dir", str(run_dir))
+    assert proc.returncode == 2 and "pass --resume" in proc.stderr
+    proc = cli("train", "examples/digits.yaml", "--run-dir", str(run_dir), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert "epochs               12" in proc.stdout  # nothing left to train: the run is complete
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "missing.yaml"], "config file not found: missing.yaml"),
+    (["train", "examples/digits.yaml", "--set", "train.epoch=3"], "unknown key 'train.epoch'"),
+    (["train", "examples/digits.yaml", "--set", "train.epochs"], "bad --set expression"),
+    (["train", "examples/digits.yaml", "--workers", "0"], "scaling.workers must be >= 1"),
+    (["train", "examples/digits.yaml", "--set", "train.precision=fp8"], "train.precision must be one of"),
+    (["train", "examples/digits.yaml", "--set", "model.name=vgg"], "examples/digits.yaml: model.name: unknown name 'vgg'"),
+    (["train", "examples/digits.yaml", "--set", "model.name=nomodule:build"], "cannot import 'nomodule'"),
+    (["train", "examples/digits.yaml", "--set", "model.args.num_classes=5"], "labels range over [0, 9]"),
+    (["train", "examples/digits.yaml", "--set", "train.batch_size=2000"], "larger than a worker's shard"),
+    (["train", "examples/digits.yaml", "--resume", "--run-dir", "/nonexistent/run"], "no checkpoint to resume"),
+])
+def test_user_errors_are_one_line_and_exit_2(args, message):
+    start = time.monotonic()
+    proc = cli(*args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and TRACEBACK not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - start < 30
