@@ -32,7 +32,7 @@ class ArrayDataset(Dataset):
 
     def __getitems__(self, idx: Sequence[int]):
         idx = torch.as_tensor(idx)
-        x = (self.x[idx].float() - self.mean) / self.std
+        x = self.x[idx].float().sub_(self.mean).div_(self.std)  # in place: one fresh buffer per batch
         if self.augment:
             x = flip_and_crop(x)
         return x, self.y[idx]
