@@ -12,33 +12,40 @@ import torch.distributed as dist
 
 
 class Totals:
-    """Running sums of (loss x samples, correct predictions, samples) on one rank."""
+    """Running sums of (loss x samples, correct predictions, samples) on one rank.
+
+    The sample count lives on the host (it is known there), so a training step costs one
+    device op here.
+    """
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.samples = 0
 
     def add(self, mean_loss: torch.Tensor, count: int, correct: torch.Tensor | None = None) -> None:
-        self.sums[0] += mean_loss.detach() * count
-        self.sums[2] += count
+        self.sums[0].add_(mean_loss.detach(), alpha=count)
+        self.samples += count
         if correct is not None:
-            self.sums[1] += correct
+            self.sums[1].add_(correct)
 
     def all_reduce(self) -> "Totals":
+        self.sums[2] = self.samples
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(self.sums)
+        self.samples = int(self.sums[2])
         return self
 
     @property
     def count(self) -> int:
-        return int(self.sums[2])
+        return self.samples
 
     @property
     def loss(self) -> float:
-        return float(self.sums[0] / self.sums[2])
+        return float(self.sums[0]) / self.samples
 
     @property
     def accuracy(self) -> float:
-        return float(self.sums[1] / self.sums[2])
+        return float(self.sums[1]) / self.samples
 
 
 def global_max(value: float, device: torch.device) -> float:

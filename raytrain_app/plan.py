@@ -43,7 +43,7 @@ class RunPlan:
         return os.path.join(self.run_dir, "logs") if storage.is_local(self.run_dir) else None
 
 
-def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = False, check: bool = True,
+def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = False,
               source: str = "config") -> RunPlan:
     config = resolve_auto(config)
     run_dir = storage.normalize(run_dir or _latest_or_new_run_dir(config.name, resume))
@@ -52,11 +52,10 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
         raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
     if not resume and has_checkpoint:
         raise UserError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
-    if check:
-        try:
-            preflight(config)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+    try:
+        preflight(config)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
     return RunPlan(config, run_dir, resume)
 
 

@@ -19,7 +19,7 @@ def test_digits_are_the_real_sklearn_digits():
     assert len(data.train) + len(data.eval) == 1797
     assert data.input_shape == (1, 8, 8) and data.num_classes == 10
     assert int(data.train.x.max()) == 16 and data.train.x.dtype == torch.uint8
-    x, _ = data.train[:8] if False else data.train.__getitems__(list(range(512)))
+    x, _ = data.train.__getitems__(list(range(512)))
     assert abs(float(x.mean())) < 0.1 and abs(float(x.std()) - 1) < 0.1  # normalised with train statistics
     again = build_datasets(DataConfig(name="digits"))
     assert torch.equal(again.eval.y, data.eval.y)  # the split is fixed by data.split_seed

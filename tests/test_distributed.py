@@ -1,6 +1,5 @@
 """The DDP loop on a real Ray cluster: 2 Gloo workers on CPU, checked against single-process math."""
 
-import os
 
 import pytest
 import torch

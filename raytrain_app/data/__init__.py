@@ -86,9 +86,6 @@ def _as_is(batch):
 
 
 def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool):
-    if len(ds.train) < world_size * batch_size:
-        raise UserError(f"train.batch_size {batch_size} is larger than a worker's shard "
-                        f"({len(ds.train)} training samples over {world_size} workers)")
     sampler = DistributedSampler(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return _loader(ds.train, sampler, batch_size, workers, pin), sampler
 

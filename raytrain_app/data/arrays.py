@@ -8,7 +8,7 @@ normalised with statistics of the training split.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,3 @@ def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
     if x.dim() != 4:
         raise UserError(f"data.args.resize needs images shaped (C, H, W), got samples shaped {tuple(x.shape[1:])}")
     return F.interpolate(x.float(), size=(size, size), mode="bilinear", align_corners=False)
-
-
-def num_classes_of(*labels: torch.Tensor, declared: Optional[int] = None) -> int:
-    return declared if declared is not None else int(max(int(y.max()) for y in labels)) + 1
