@@ -165,14 +165,19 @@ class EventListener(threading.Thread):
 
 
 def _explain(error: ray.train.TrainingFailedError) -> Exception:
-    """One line per failed rank: the exception's last line, not Ray's nested tracebacks."""
+    """One clause per failed rank with its error's last line, not Ray's nested tracebacks."""
     failures = getattr(error, "worker_failures", None) or {}
     if failures and all(isinstance(e, UserError) for e in failures.values()):
         return UserError(_last_line(next(iter(failures.values()))))
     if not failures:
-        return TrainingFailed(_last_line(getattr(error, "controller_failure", error)))
-    parts = [f"rank {rank}: {_last_line(e)}" for rank, e in sorted(failures.items())]
-    return TrainingFailed("; ".join(parts))
+        return TrainingFailed(_describe(getattr(error, "controller_failure", error)))
+    return TrainingFailed("; ".join(f"rank {rank}: {_describe(e)}" for rank, e in sorted(failures.items())))
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: message` for a plain exception; the last line for one that carries a traceback."""
+    line = _last_line(e)
+    return line if "\n" in str(e).strip() else f"{type(e).__name__}: {line}"
 
 
 def _last_line(e: BaseException) -> str:

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import REPO
@@ -34,7 +35,16 @@ def test_digits_example_trains_to_95_percent(digits_run):
         assert key in rows[-1]
     assert rows[-1]["world_size"] == 2 and rows[-1]["eval_accuracy"] >= 0.95
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["scaling"]["backend"] == "gloo"
-    assert sorted(run_dir.glob("checkpoint_*/state.pt")) and (run_dir / "logs" / "rank-1.log").exists()
+    assert (run_dir / "logs" / "rank-1.log").exists() and (run_dir / "logs" / "driver.log").exists()
+
+
+def test_keeps_the_best_checkpoints_by_the_metric(digits_run):
+    run_dir, _ = digits_run
+    rows = {r["epoch"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    kept = {torch.load(p, weights_only=True)["epoch"] for p in run_dir.glob("checkpoint_*/state.pt")}
+    saved = [4, 8, 12]  # checkpoint.every_epochs: 4; keep: 2 by eval_accuracy, plus the latest
+    best_two = sorted(saved, key=lambda e: rows[e]["eval_accuracy"])[-2:]
+    assert kept == set(best_two) | {12}
 
 
 def test_console_holds_only_our_lines(digits_run):
@@ -53,6 +63,16 @@ def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
     proc = cli("train", "examples/digits.yaml", "--run-dir", str(run_dir), "--resume")
     assert proc.returncode == 0, proc.stderr
     assert "epochs               12" in proc.stdout  # nothing left to train: the run is complete
+
+
+def test_a_crash_exits_1_naming_the_rank_and_its_error(tmp_path):
+    marker = tmp_path / "crash"
+    marker.touch()
+    proc = cli("train", "examples/digits.yaml", "--run-dir", str(tmp_path / "run"), "--set", "train.epochs=1",
+               "--set", "model.name=tests.helpers:crashing_mlp",
+               "--set", f"model.args={{marker: '{marker}', crash_at: 3}}")
+    assert proc.returncode == 1, proc.stderr
+    assert re.fullmatch(r"training failed: rank \d: RuntimeError: injected crash(; rank \d: [^\n]*)?\n", proc.stderr)
 
 
 @pytest.mark.parametrize("args, message", [
