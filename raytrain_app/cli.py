@@ -22,7 +22,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--workers", type=int, help="Training workers (overrides scaling.workers).")
 @click.option("--gpus-per-worker", type=float, help="GPUs per worker (overrides scaling.gpus_per_worker).")
 @click.option("--run-dir", help="Where config, metrics, checkpoints and logs go (path or URI). "
@@ -30,9 +30,11 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field; repeatable.")
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir (default: the latest run of this "
                                              "job) from its latest checkpoint.")
+@click.option("--address", help="Join the running cluster at this GCS address (HOST:PORT; 'auto' reads "
+                                "$RAY_ADDRESS, as set inside Ray jobs) instead of starting an embedded one.")
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs and worker output.")
-def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, verbose):
-    """Train CONFIG on an embedded local Ray cluster."""
+def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, address, verbose):
+    """Train CONFIG (a YAML file, or - for standard input) on Ray."""
     from raytrain_app.config import load_config
     from raytrain_app.plan import make_plan
 
@@ -46,15 +48,168 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, ver
         plan = make_plan(load_config(config_file, sets), run_dir=run_dir, resume=resume, source=config_file)
         click.echo(f"run {plan.run_dir}: {plan.config.scaling.workers} workers, {plan.config.scaling.backend}, "
                    f"{plan.config.train.precision}")
-        from raytrain_app.cluster import embedded_cluster
+        from raytrain_app.cluster import connected, embedded_cluster
         from raytrain_app.report import summary
         from raytrain_app.trainer import run_training
 
         s = plan.config.scaling
         cpus = max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999))
-        with embedded_cluster(num_cpus=cpus, log_dir=plan.log_dir, verbose=verbose):
+        cluster = connected(address, plan.log_dir, verbose) if address else \
+            embedded_cluster(num_cpus=cpus, log_dir=plan.log_dir, verbose=verbose)
+        with cluster:
             result = run_training(plan, progress=sys.stdout.isatty(), echo=click.echo)
         click.echo(summary(plan, result))
+
+
+PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROFILE",
+                       help="A cluster profile, e.g. cluster/local.yaml.")
+
+
+@main.command()
+@click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False))
+@PROFILE
+@click.option("--nodes", type=int, help="Nodes to use (default: the profile's).")
+@click.option("--gpus-per-node", type=int, help="GPUs per node; one worker per GPU (default: the profile's).")
+@click.option("--cpus-per-node", type=int, help="CPUs per node (default: the profile's).")
+@click.option("--workers-per-node", type=int, help="Workers per node on a CPU cluster (default 1).")
+@click.option("--name", help="Job name (default: the config's name).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field; repeatable.")
+@click.option("--follow/--no-wait", default=True, help="Stream the logs and exit with the job's result "
+                                                         "(default), or print the id and return.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and submit nothing.")
+def submit(config_file, profile_file, nodes, gpus_per_node, cpus_per_node, workers_per_node, name, overrides,
+           follow, dry_run):
+    """Submit CONFIG as a Ray job to the cluster described by PROFILE."""
+    from raytrain_app.config import load_config
+    from raytrain_app.console import summary_table
+    from raytrain_app.dashboard import Dashboard
+    from raytrain_app import jobs
+
+    with _exit_codes():
+        profile = _profile(profile_file)
+        sub = jobs.plan_submission(profile, load_config(config_file, overrides), nodes, gpus_per_node,
+                                   cpus_per_node, workers_per_node, name)
+        if dry_run:
+            click.echo(summary_table(sub.describe()))
+            return
+        dashboard = Dashboard.for_profile(profile)
+        jobs.preflight(sub, dashboard)
+        job_id = jobs.submit(sub, dashboard)
+        click.echo(f"submitted {job_id} to {profile.jobs_address} ({sub.config.scaling.workers} workers); "
+                   f"run directory {sub.run_dir}")
+        if follow:
+            status = jobs.follow(dashboard, job_id, lambda chunk: click.echo(chunk, nl=False))
+            click.echo(f"job {job_id} {status.lower()}")
+            if status != "SUCCEEDED":
+                sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.argument("job_id")
+@PROFILE
+def status(job_id, profile_file):
+    """Show a job's status."""
+    from raytrain_app import jobs
+    from raytrain_app.dashboard import Dashboard
+
+    with _exit_codes():
+        info = jobs.job_info(Dashboard.for_profile(_profile(profile_file)), job_id)
+        click.echo(f"{job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+
+
+@main.command()
+@click.argument("job_id")
+@PROFILE
+@click.option("--follow", is_flag=True, help="Keep streaming until the job ends.")
+def logs(job_id, profile_file, follow):
+    """Print a job's logs."""
+    from raytrain_app import jobs
+    from raytrain_app.dashboard import Dashboard
+
+    with _exit_codes():
+        dashboard = Dashboard.for_profile(_profile(profile_file))
+        if follow:
+            jobs.job_info(dashboard, job_id)
+            jobs.follow(dashboard, job_id, lambda chunk: click.echo(chunk, nl=False))
+        else:
+            click.echo(jobs.logs(dashboard, job_id), nl=False)
+
+
+@main.command()
+@click.argument("job_id")
+@PROFILE
+def stop(job_id, profile_file):
+    """Stop a running job and wait for it to end."""
+    from raytrain_app import jobs
+    from raytrain_app.dashboard import Dashboard
+
+    with _exit_codes():
+        click.echo(f"{job_id}: {jobs.stop(Dashboard.for_profile(_profile(profile_file)), job_id)}")
+
+
+@main.command("list")
+@PROFILE
+def list_(profile_file):
+    """List the cluster's jobs."""
+    from raytrain_app import jobs
+    from raytrain_app.dashboard import Dashboard
+
+    with _exit_codes():
+        for job in jobs.list_jobs(Dashboard.for_profile(_profile(profile_file))):
+            click.echo(f"{job.submission_id or job.job_id}  {job.status.value:<9}  {job.entrypoint[:60]}")
+
+
+@main.group()
+def cluster():
+    """Start, stop and inspect the cluster a profile describes."""
+
+
+@cluster.command("up")
+@click.argument("profile_file", metavar="PROFILE")
+def cluster_up(profile_file):
+    """Start the profile's cluster (local nodes, or Ray's launcher)."""
+    from raytrain_app import cluster as clusters
+
+    with _exit_codes():
+        clusters.cluster_up(_profile(profile_file), click.echo)
+
+
+@cluster.command("down")
+@click.argument("profile_file", metavar="PROFILE")
+def cluster_down(profile_file):
+    """Stop exactly the nodes `cluster up` started."""
+    from raytrain_app import cluster as clusters
+
+    with _exit_codes():
+        clusters.cluster_down(_profile(profile_file), click.echo)
+
+
+@cluster.command("status")
+@click.argument("profile_file", metavar="PROFILE")
+def cluster_status(profile_file):
+    """Show the cluster's nodes, CPUs, GPUs and running jobs."""
+    from raytrain_app import jobs
+    from raytrain_app.dashboard import Dashboard
+
+    with _exit_codes():
+        profile = _profile(profile_file)
+        dashboard = Dashboard.for_profile(profile)
+        nodes = dashboard.alive_nodes()
+        click.echo(f"cluster '{profile.name}' at {profile.jobs_address}: {len(nodes)} nodes, "
+                   f"{sum(n.cpus for n in nodes):g} CPUs, {sum(n.gpus for n in nodes):g} GPUs")
+        for n in nodes:
+            click.echo(f"  node {n.node_id[:12]}  {n.ip:<15} {'head' if n.is_head else 'worker'}  "
+                       f"{n.cpus:g} CPUs  {n.gpus:g} GPUs")
+        running = [j for j in jobs.list_jobs(dashboard) if j.status.value in ("PENDING", "RUNNING")]
+        click.echo(f"running jobs: {len(running)}")
+        for job in running:
+            click.echo(f"  {job.submission_id}  {job.status.value}")
+
+
+def _profile(path: str):
+    from raytrain_app.profiles import load_profile
+
+    return load_profile(path)
 
 
 class _exit_codes:

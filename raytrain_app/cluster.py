@@ -1,14 +1,34 @@
-"""The embedded Ray cluster that `raytrain-app train` starts in-process and stops at the end."""
+"""Ray clusters: the embedded one `train` starts in-process, one `train --address` joins, and the
+local or launcher-managed clusters that `cluster up|down|status` manage for a profile.
+
+A local profile's nodes are `ray start --block` processes, each the leader of its own process
+group. Their PIDs are recorded in the profile's temp dir, and `down` stops exactly those groups:
+never `ray stop`, which kills every Ray process on the machine by name.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 from raytrain_app.console import route_ray_logs
+from raytrain_app.dashboard import Dashboard, reachable
+from raytrain_app.errors import UserError
+from raytrain_app.profiles import ClusterProfile
+
+NODES_FILE = "raytrain-nodes.json"
+START_TIMEOUT_S = 90
+STOP_TIMEOUT_S = 5
 
 
 @contextmanager
@@ -38,3 +58,202 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
         if log_dir and os.path.isdir(session_logs):
             shutil.copytree(session_logs, os.path.join(log_dir, "ray"), dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("*.sock", "events", "old"))
+
+
+@contextmanager
+def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False) -> Iterator[None]:
+    """Join a running cluster by its GCS address; `auto` means $RAY_ADDRESS, which Ray Jobs set."""
+    import ray
+
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            raise UserError("--address auto needs $RAY_ADDRESS (Ray sets it for job entrypoints); name the address")
+    route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
+    ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+# ---- clusters for profiles ----------------------------------------------------------------
+
+
+def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
+    if profile.launcher:
+        _launcher("up", profile)
+        return
+    if _running_pids(profile):
+        raise UserError(f"cluster '{profile.name}' is already up ({profile.jobs_address}); "
+                        f"`raytrain-app cluster down {profile.source}` stops it")
+    if reachable(profile.jobs_address):
+        raise UserError(f"{profile.jobs_address} already answers: another cluster uses local.dashboard_port "
+                        f"{profile.local.dashboard_port}; give this profile its own ports")
+    env = _node_env(profile)
+    temp = Path(profile.temp_dir)
+    temp.mkdir(parents=True, exist_ok=True)
+    pids: list[int] = []
+    try:
+        for i in range(profile.nodes):
+            pids.append(_start_node(profile, i, env, temp))
+            _write_pids(profile, pids)
+            _wait_for(profile, nodes=i + 1, pid=pids[-1], log=temp / f"node-{i}.log")
+            echo(f"node {i} up ({'head' if i == 0 else 'worker'}, pid {pids[-1]})")
+    except BaseException:
+        stop_nodes(profile, pids)
+        raise
+    echo(f"cluster '{profile.name}' is up: {profile.nodes} nodes, Jobs API at {profile.jobs_address}")
+
+
+def cluster_down(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
+    if profile.launcher:
+        _launcher("down", profile)
+        return
+    pids = _recorded_pids(profile)
+    if not pids:
+        echo(f"cluster '{profile.name}' is not up")
+        return
+    stopped = stop_nodes(profile, pids)
+    echo(f"cluster '{profile.name}' is down ({stopped} node processes stopped)")
+
+
+def stop_nodes(profile: ClusterProfile, pids: list[int]) -> int:
+    """SIGTERM every node's process group, as `ray stop` would but only ours; SIGKILL what lingers."""
+    groups = [pid for pid in pids if _group_alive(pid)]
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+    while any(_group_alive(g) for g in groups):
+        time.sleep(0.1)
+    (Path(profile.temp_dir) / NODES_FILE).unlink(missing_ok=True)
+    return len(groups)
+
+
+def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path) -> int:
+    lp = profile.local
+    workers = lp.worker_port_base + 1000 * i
+    cmd = [_ray_executable(), "start", "--block", "--disable-usage-stats",
+           "--num-cpus", str(profile.cpus_per_node), "--num-gpus", str(profile.gpus_per_node),
+           "--min-worker-port", str(workers), "--max-worker-port", str(workers + 999),
+           "--dashboard-agent-listen-port", str(lp.agent_port_base + i)]
+    if i == 0:
+        cmd += ["--head", "--port", str(lp.port), "--temp-dir", str(temp),
+                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(lp.dashboard_port),
+                "--ray-client-server-port", str(lp.client_port)]
+    else:
+        cmd += ["--address", f"127.0.0.1:{lp.port}"]
+    log = open(temp / f"node-{i}.log", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    return proc.pid
+
+
+def _wait_for(profile: ClusterProfile, nodes: int, pid: int, log: Path) -> None:
+    dashboard = Dashboard(profile.jobs_address, profile.auth_headers(), timeout_s=2)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            raise UserError(f"a node of '{profile.name}' exited while starting: {lines[-1] if lines else '?'} "
+                            f"(log: {log})")
+        try:
+            if len(dashboard.alive_nodes()) >= nodes:
+                return
+        except UserError:
+            pass
+        time.sleep(1)
+    raise UserError(f"cluster '{profile.name}' did not reach {nodes} nodes within {START_TIMEOUT_S}s (log: {log})")
+
+
+def _node_env(profile: ClusterProfile) -> dict:
+    """Nodes run with token auth and with this Python first on PATH, so jobs find raytrain_app."""
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    token = _ensure_token(profile)
+    if token:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
+    return env
+
+
+def _ensure_token(profile: ClusterProfile) -> Optional[str]:
+    """A local cluster's token file is created (mode 0600) the first time it is needed."""
+    path = profile.auth.token_file and Path(os.path.expanduser(profile.auth.token_file))
+    if path and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32) + "\n")
+    return profile.token()
+
+
+def _ray_executable() -> str:
+    beside = os.path.join(os.path.dirname(sys.executable), "ray")
+    return beside if os.path.exists(beside) else (shutil.which("ray") or "ray")
+
+
+def _launcher(verb: str, profile: ClusterProfile) -> None:
+    config = profile.path(profile.launcher)
+    if not os.path.exists(config):
+        raise UserError(f"{profile.source}: launcher file not found: {config}")
+    proc = subprocess.run([_ray_executable(), verb, config, "-y"])
+    if proc.returncode:
+        raise UserError(f"`ray {verb} {config}` failed with exit code {proc.returncode}")
+
+
+def _recorded_pids(profile: ClusterProfile) -> list[int]:
+    try:
+        return json.loads((Path(profile.temp_dir) / NODES_FILE).read_text())["pids"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def _running_pids(profile: ClusterProfile) -> list[int]:
+    return [pid for pid in _recorded_pids(profile) if _alive(pid)]
+
+
+def _write_pids(profile: ClusterProfile, pids: list[int]) -> None:
+    (Path(profile.temp_dir) / NODES_FILE).write_text(json.dumps({"pids": pids, "address": profile.jobs_address}))
+
+
+def _alive(pid: int) -> bool:
+    return pid in _group_members(pid)
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group_members(pgid))
+
+
+def _group_members(pgid: int) -> set[int]:
+    """Live (non-zombie) processes of a process group, collecting our own exited children."""
+    try:
+        os.waitpid(pgid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    if not Path("/proc").is_dir():  # no /proc (macOS): the group exists or it does not
+        try:
+            os.killpg(pgid, 0)
+            return {pgid}
+        except (ProcessLookupError, PermissionError):
+            return set()
+    members = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.add(int(stat.parent.name))
+    return members
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class ScalingConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     # Seconds a collective may wait before the process group gives up.
     timeout_s: int = 600
+    # How Ray places workers on nodes: PACK fills nodes in turn, SPREAD deals workers out across them.
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
 
 @dataclass
@@ -120,12 +123,12 @@ class JobConfig:
     @classmethod
     def from_dict(cls, raw: Any, source: str = "<config>") -> "JobConfig":
         config = _build(cls, raw, "", source)
-        _validate(config, source)
+        validate(config, _RULES, source)
         return config
 
 
 # Checks that types alone cannot express. Each is (key, predicate, what the value must be).
-_RULES: list[tuple[str, typing.Callable[[JobConfig], bool], str]] = [
+_RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("name", lambda c: bool(c.name.strip()) and "/" not in c.name, "a non-empty name without '/'"),
     ("data.eval_fraction", lambda c: 0.0 < c.data.eval_fraction < 1.0, "between 0 and 1"),
     ("data.loader_workers", lambda c: c.data.loader_workers >= 0, ">= 0"),
@@ -154,8 +157,9 @@ _RULES: list[tuple[str, typing.Callable[[JobConfig], bool], str]] = [
 ]
 
 
-def _validate(config: JobConfig, source: str) -> None:
-    for key, ok, must in _RULES:
+def validate(config: Any, rules: list, source: str) -> None:
+    """Apply (key, predicate, what the value must be) rules; the first that fails is the error."""
+    for key, ok, must in rules:
         if not ok(config):
             value = config
             for part in key.split("."):
@@ -165,10 +169,17 @@ def _validate(config: JobConfig, source: str) -> None:
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
     """Read a YAML job file, apply `key.sub=value` overrides, and type-check the result."""
-    path = Path(path)
+    raw, source = read_yaml(path)
+    for expr in overrides:
+        apply_override(raw, expr, source)
+    return JobConfig.from_dict(raw, source)
+
+
+def read_yaml(path: str | Path) -> tuple[dict, str]:
+    """The top-level mapping of a YAML file ("-": standard input), or a ConfigError naming the file and problem."""
     source = str(path)
     try:
-        text = path.read_text()
+        text = sys.stdin.read() if source == "-" else Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {source}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -184,9 +195,12 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobCo
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys, got {_kind(raw)}")
-    for expr in overrides:
-        apply_override(raw, expr, source)
-    return JobConfig.from_dict(raw, source)
+    return raw, source
+
+
+def parse(cls: type, raw: dict, source: str):
+    """Build dataclass `cls` from a raw mapping with the same checks as the job config."""
+    return _build(cls, raw, "", source)
 
 
 def apply_override(raw: dict, expr: str, source: str) -> None:
@@ -220,7 +234,7 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {_kind(raw)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)

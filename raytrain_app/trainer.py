@@ -54,7 +54,8 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult
         train_loop_config={"job": config.to_dict(), "events": events, "progress": progress,
                            "log_dir": plan.log_dir, "cwd": os.getcwd()},
         scaling_config=ray.train.ScalingConfig(num_workers=config.scaling.workers, use_gpu=plan.use_gpu,
-                                               resources_per_worker=plan.resources_per_worker),
+                                               resources_per_worker=plan.resources_per_worker,
+                                               placement_strategy=config.scaling.placement),
         torch_config=TorchConfig(backend=config.scaling.backend, timeout_s=config.scaling.timeout_s),
         run_config=ray.train.RunConfig(
             name=os.path.basename(plan.run_dir),

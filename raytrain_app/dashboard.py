@@ -1,0 +1,74 @@
+"""A cluster's dashboard address: reachability, nodes and the Jobs API, each with a bounded timeout.
+
+Everything here goes through Ray's own HTTP endpoints (`/api/version`, the state API's
+`/api/v0/nodes`) and Ray's `JobSubmissionClient`, with the profile's token as a Bearer header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import requests
+
+from raytrain_app.errors import UserError
+from raytrain_app.profiles import ClusterProfile
+
+
+@dataclass
+class Node:
+    node_id: str
+    ip: str
+    alive: bool
+    is_head: bool
+    cpus: float
+    gpus: float
+
+
+class Dashboard:
+    def __init__(self, address: str, headers: dict, timeout_s: float):
+        self.address, self.headers, self.timeout_s = address, headers, timeout_s
+
+    @classmethod
+    def for_profile(cls, profile: ClusterProfile) -> "Dashboard":
+        return cls(profile.jobs_address, profile.auth_headers(), profile.connect_timeout_s)
+
+    def get(self, path: str) -> dict:
+        try:
+            response = requests.get(self.address + path, headers=self.headers, timeout=self.timeout_s)
+        except requests.RequestException:
+            raise UserError(f"cannot reach the Ray cluster at {self.address} within {self.timeout_s:g}s") from None
+        if response.status_code in (401, 403):
+            raise UserError(f"the Ray cluster at {self.address} refused the token ({response.status_code}): "
+                            "check the profile's auth.token_env / auth.token_file")
+        if not response.ok:
+            raise UserError(f"the Ray cluster at {self.address} answered {path} with HTTP {response.status_code}")
+        return response.json()
+
+    def check(self) -> str:
+        """Raise unless the cluster answers; returns its Ray version."""
+        return self.get("/api/version").get("ray_version", "?")
+
+    def nodes(self) -> list[Node]:
+        result = self.get("/api/v0/nodes?detail=1&limit=1000")["data"]["result"]
+        rows = result["result"] if isinstance(result, dict) else result
+        return [Node(n["node_id"], n.get("node_ip", "?"), n["state"] == "ALIVE", bool(n.get("is_head_node")),
+                     n.get("resources_total", {}).get("CPU", 0.0), n.get("resources_total", {}).get("GPU", 0.0))
+                for n in rows]
+
+    def alive_nodes(self) -> list[Node]:
+        return [n for n in self.nodes() if n.alive]
+
+    def jobs(self):
+        """Ray's JobSubmissionClient for this address, after a bounded reachability check."""
+        self.check()
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.address, headers=self.headers, verify=True)
+
+
+def reachable(address: str, headers: Optional[dict] = None, timeout_s: float = 2.0) -> bool:
+    try:
+        return requests.get(address + "/api/version", headers=headers or {}, timeout=timeout_s).ok
+    except requests.RequestException:
+        return False

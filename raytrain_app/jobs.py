@@ -1,0 +1,176 @@
+"""Jobs on a profile's cluster through the Ray Jobs API: plan, preflight, submit, follow, manage.
+
+A submitted job runs the same `train` command on the cluster (`train - --address auto`), with
+the resolved job config carried in the job's runtime_env. Ray's `ray job status/logs/stop`
+see the same submission id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import shlex
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from raytrain_app import storage
+from raytrain_app.config import JobConfig, dump_yaml
+from raytrain_app.dashboard import Dashboard
+from raytrain_app.errors import UserError
+from raytrain_app.plan import resolve_auto
+from raytrain_app.profiles import ClusterProfile, mask
+
+CONFIG_ENV = "RAYTRAIN_JOB_CONFIG"
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+@dataclass
+class Submission:
+    """Everything `submit` will send, shown whole by --dry-run."""
+
+    profile: ClusterProfile
+    config: JobConfig  # resolved, with the scaling the cluster shape implies
+    submission_id: str
+    run_dir: str
+    nodes: int
+    workers_per_node: int
+    runtime_env: dict
+    entrypoint: str
+
+    def describe(self) -> list[tuple[str, str]]:
+        s = self.config.scaling
+        per_worker = f"{s.cpus_per_worker:g} CPU" + (f", {s.gpus_per_worker:g} GPU" if s.gpus_per_worker else "")
+        shown_env = {**self.runtime_env, "env_vars": mask(self.runtime_env.get("env_vars", {}))}
+        shown_env["env_vars"][CONFIG_ENV] = f"<resolved job config, {len(self.runtime_env['env_vars'][CONFIG_ENV])} bytes>"
+        return [
+            ("cluster", f"{self.profile.name} ({self.profile.jobs_address})"),
+            ("submission id", self.submission_id),
+            ("workers", f"{s.workers} = {self.nodes} nodes x {self.workers_per_node} per node"),
+            ("per worker", per_worker),
+            ("placement", s.placement),
+            ("backend", f"{s.backend}, {self.config.train.precision}"),
+            ("storage", self.run_dir),
+            ("runtime_env", json.dumps(shown_env, sort_keys=True)),
+            ("entrypoint", self.entrypoint),
+        ]
+
+
+def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[int] = None,
+                    gpus_per_node: Optional[int] = None, cpus_per_node: Optional[int] = None,
+                    workers_per_node: Optional[int] = None, name: Optional[str] = None) -> Submission:
+    """Turn the cluster shape into workers: one per GPU, or `workers_per_node` per CPU node."""
+    nodes = profile.nodes if nodes is None else nodes
+    gpus = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
+    cpus = profile.cpus_per_node if cpus_per_node is None else cpus_per_node
+    for flag, value, least in (("--nodes", nodes, 1), ("--gpus-per-node", gpus, 0), ("--cpus-per-node", cpus, 1)):
+        if value < least:
+            raise UserError(f"{flag} must be >= {least}, got {value}")
+    if gpus and workers_per_node not in (None, gpus):
+        raise UserError("--workers-per-node is for CPU clusters; with GPUs there is one worker per GPU")
+    per_node = gpus or (workers_per_node or 1)
+    if per_node < 1 or (not gpus and cpus < per_node):
+        raise UserError(f"--workers-per-node {per_node} needs at least that many CPUs per node (--cpus-per-node {cpus})")
+    scaling = dataclasses.replace(
+        config.scaling,
+        workers=nodes * per_node,
+        gpus_per_worker=1.0 if gpus else 0.0,
+        # CPU workers take a node's CPUs in equal parts, so exactly `per_node` fit on each node.
+        cpus_per_worker=config.scaling.cpus_per_worker if gpus else float(cpus // per_node),
+        backend="auto" if config.scaling.backend == "auto" else config.scaling.backend,
+        placement=profile.placement,
+    )
+    config = resolve_auto(dataclasses.replace(config, name=name or config.name, scaling=scaling))
+    submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    run_dir = storage.join(storage.normalize(profile.storage), submission_id)
+    runtime_env = {
+        **({"working_dir": profile.path(profile.runtime_env.working_dir),
+            "excludes": profile.runtime_env.excludes} if profile.runtime_env.working_dir else {}),
+        **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
+        "env_vars": {**{k: str(v) for k, v in profile.runtime_env.env_vars.items()}, CONFIG_ENV: dump_yaml(config)},
+    }
+    entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - --address auto "
+                  f"--run-dir {shlex.quote(run_dir)}")
+    return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint)
+
+
+def preflight(sub: Submission, dashboard: Dashboard) -> None:
+    """Fail now, naming what was asked and what exists, rather than queue forever."""
+    dashboard.check()
+    nodes = dashboard.alive_nodes()
+    s = sub.config.scaling
+    need_gpus, need_cpus = s.gpus_per_worker * sub.workers_per_node, s.cpus_per_worker * sub.workers_per_node
+    fitting = [n for n in nodes if n.gpus >= need_gpus and n.cpus >= need_cpus]
+    if len(fitting) < sub.nodes:
+        have = ", ".join(f"{n.gpus:g} GPUs/{n.cpus:g} CPUs" for n in nodes) or "none"
+        what = f"{need_gpus:g} GPUs and {need_cpus:g} CPUs" if need_gpus else f"{need_cpus:g} CPUs"
+        short = "GPUs" if need_gpus and sum(n.gpus >= need_gpus for n in nodes) < sub.nodes else "CPUs"
+        raise UserError(f"not enough {short}: the job needs {sub.nodes} nodes with {what} each; "
+                        f"the cluster has {len(nodes)} nodes: {have}")
+    check_writable(sub.run_dir)
+
+
+def check_writable(run_dir: str) -> None:
+    marker = storage.join(run_dir, ".write-test")
+    try:
+        storage.write_text(marker, "ok")
+        fs, path = storage.filesystem_for(marker)
+        fs.delete_file(path)
+    except (OSError, Exception) as e:  # pyarrow raises OSError subclasses and its own errors
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"storage {run_dir} is not writable: {e}") from None
+
+
+def submit(sub: Submission, dashboard: Dashboard) -> str:
+    return dashboard.jobs().submit_job(entrypoint=sub.entrypoint, submission_id=sub.submission_id,
+                                       runtime_env=sub.runtime_env)
+
+
+def follow(dashboard: Dashboard, job_id: str, echo: Callable[[str], None]) -> str:
+    """Stream a job's logs until it ends; returns its final status."""
+    client = dashboard.jobs()
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            echo(chunk)
+
+    asyncio.run(tail())
+    return wait(dashboard, job_id, timeout_s=30)
+
+
+def wait(dashboard: Dashboard, job_id: str, timeout_s: float) -> str:
+    client = dashboard.jobs()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = str(client.get_job_status(job_id).value)
+        if status in TERMINAL or time.monotonic() > deadline:
+            return status
+        time.sleep(0.5)
+
+
+def job_info(dashboard: Dashboard, job_id: str):
+    client = dashboard.jobs()
+    try:
+        return client.get_job_info(job_id)
+    except RuntimeError as e:
+        if "404" in str(e) or "does not exist" in str(e):
+            raise UserError(f"no job '{job_id}' on {dashboard.address}") from None
+        raise
+
+
+def logs(dashboard: Dashboard, job_id: str) -> str:
+    job_info(dashboard, job_id)
+    return dashboard.jobs().get_job_logs(job_id)
+
+
+def stop(dashboard: Dashboard, job_id: str, timeout_s: float = 60) -> str:
+    job_info(dashboard, job_id)
+    dashboard.jobs().stop_job(job_id)
+    return wait(dashboard, job_id, timeout_s)
+
+
+def list_jobs(dashboard: Dashboard) -> list:
+    return sorted(dashboard.jobs().list_jobs(), key=lambda j: j.start_time or 0)
