@@ -118,20 +118,24 @@ def cluster_down(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
     echo(f"cluster '{profile.name}' is down ({stopped} node processes stopped)")
 
 
+def node_processes(profile: ClusterProfile) -> set[int]:
+    """Every live process of the nodes `cluster up` started for this profile."""
+    return _node_processes([pid for pid in _recorded_pids(profile) if _alive(pid)])
+
+
 def stop_nodes(profile: ClusterProfile, pids: list[int]) -> int:
-    """SIGTERM every node's process group, as `ray stop` would but only ours; SIGKILL what lingers."""
-    groups = [pid for pid in pids if _group_alive(pid)]
-    for pgid in groups:
-        _signal_group(pgid, signal.SIGTERM)
+    """SIGTERM every process of our nodes, as `ray stop` would but only ours; SIGKILL what lingers."""
+    leaders = [pid for pid in pids if _alive(pid)]
+    targets = _node_processes(leaders)
+    _signal(targets, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+    while (targets := _node_processes(leaders) | (targets & _live_pids())) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pgid in groups:
-        _signal_group(pgid, signal.SIGKILL)
-    while any(_group_alive(g) for g in groups):
+    _signal(targets, signal.SIGKILL)
+    while _node_processes(leaders) | (targets & _live_pids()):
         time.sleep(0.1)
     (Path(profile.temp_dir) / NODES_FILE).unlink(missing_ok=True)
-    return len(groups)
+    return len(leaders)
 
 
 def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path) -> int:
@@ -222,38 +226,46 @@ def _write_pids(profile: ClusterProfile, pids: list[int]) -> None:
 
 
 def _alive(pid: int) -> bool:
-    return pid in _group_members(pid)
-
-
-def _group_alive(pgid: int) -> bool:
-    return bool(_group_members(pgid))
-
-
-def _group_members(pgid: int) -> set[int]:
-    """Live (non-zombie) processes of a process group, collecting our own exited children."""
     try:
-        os.waitpid(pgid, os.WNOHANG)
+        os.waitpid(pid, os.WNOHANG)  # collect it if it is our own exited child
     except ChildProcessError:
         pass
-    if not Path("/proc").is_dir():  # no /proc (macOS): the group exists or it does not
-        try:
-            os.killpg(pgid, 0)
-            return {pgid}
-        except (ProcessLookupError, PermissionError):
-            return set()
-    members = set()
+    return pid in _live_pids()
+
+
+def _live_pids() -> set[int]:
+    return set(_process_table())
+
+
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session id) for every live, non-zombie process."""
+    table = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(") ", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.add(int(stat.parent.name))
-    return members
+        if fields[0] != "Z":
+            table[int(stat.parent.name)] = (int(fields[1]), int(fields[3]))
+    return table
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+def _node_processes(leaders: list[int]) -> set[int]:
+    """Each node's processes: its session (gcs, raylet, workers) plus any descendant in a session of
+    its own (a job's entrypoint)."""
+    table = _process_table()
+    found = {pid for pid, (_, sid) in table.items() if sid in leaders} | (set(leaders) & set(table))
+    grew = True
+    while grew:
+        children = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
+        found |= children
+        grew = bool(children)
+    return found
+
+
+def _signal(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from raytrain_app.cluster import _group_alive, _recorded_pids, cluster_down, cluster_up
+from raytrain_app.cluster import cluster_down, cluster_up, node_processes
 from raytrain_app.profiles import load_profile
 from tests.conftest import REPO
 
@@ -43,10 +43,11 @@ def two_nodes(tmp_path_factory):
     profile_file = write_profile(tmp_path_factory.mktemp("cluster") / "profile.yaml")
     profile = load_profile(profile_file)
     cluster_up(profile, echo=lambda line: None)
-    pids = _recorded_pids(profile)
     yield profile_file, profile
+    started = node_processes(profile)  # gcs, raylets, dashboard, workers, job drivers
+    assert len(started) > 10
     cluster_down(profile, echo=lambda line: None)
-    assert not [pid for pid in pids if _group_alive(pid)]  # exactly the processes we started are gone
+    assert not [pid for pid in started if os.path.exists(f"/proc/{pid}")]  # all of them, and only they, stopped
 
 
 def ray_cli_env(profile):
