@@ -44,7 +44,7 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, add
         sets.append(f"scaling.workers={workers}")
     if gpus_per_worker is not None:
         sets.append(f"scaling.gpus_per_worker={gpus_per_worker}")
-    with _exit_codes():
+    with _command():
         plan = make_plan(load_config(config_file, sets), run_dir=run_dir, resume=resume, source=config_file)
         click.echo(f"run {plan.run_dir}: {plan.config.scaling.workers} workers, {plan.config.scaling.backend}, "
                    f"{plan.config.train.precision}")
@@ -85,7 +85,7 @@ def submit(config_file, profile_file, nodes, gpus_per_node, cpus_per_node, worke
     from raytrain_app.dashboard import Dashboard
     from raytrain_app import jobs
 
-    with _exit_codes():
+    with _command():
         profile = _profile(profile_file)
         sub = jobs.plan_submission(profile, load_config(config_file, overrides), nodes, gpus_per_node,
                                    cpus_per_node, workers_per_node, name)
@@ -112,7 +112,7 @@ def status(job_id, profile_file):
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
-    with _exit_codes():
+    with _command():
         info = jobs.job_info(Dashboard.for_profile(_profile(profile_file)), job_id)
         click.echo(f"{job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
 
@@ -126,7 +126,7 @@ def logs(job_id, profile_file, follow):
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
-    with _exit_codes():
+    with _command():
         dashboard = Dashboard.for_profile(_profile(profile_file))
         if follow:
             jobs.job_info(dashboard, job_id)
@@ -143,7 +143,7 @@ def stop(job_id, profile_file):
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
-    with _exit_codes():
+    with _command():
         click.echo(f"{job_id}: {jobs.stop(Dashboard.for_profile(_profile(profile_file)), job_id)}")
 
 
@@ -154,7 +154,7 @@ def list_(profile_file):
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
-    with _exit_codes():
+    with _command():
         for job in jobs.list_jobs(Dashboard.for_profile(_profile(profile_file))):
             click.echo(f"{job.submission_id or job.job_id}  {job.status.value:<9}  {job.entrypoint[:60]}")
 
@@ -170,7 +170,7 @@ def cluster_up(profile_file):
     """Start the profile's cluster (local nodes, or Ray's launcher)."""
     from raytrain_app import cluster as clusters
 
-    with _exit_codes():
+    with _command():
         clusters.cluster_up(_profile(profile_file), click.echo)
 
 
@@ -180,7 +180,7 @@ def cluster_down(profile_file):
     """Stop exactly the nodes `cluster up` started."""
     from raytrain_app import cluster as clusters
 
-    with _exit_codes():
+    with _command():
         clusters.cluster_down(_profile(profile_file), click.echo)
 
 
@@ -191,7 +191,7 @@ def cluster_status(profile_file):
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
-    with _exit_codes():
+    with _command():
         profile = _profile(profile_file)
         dashboard = Dashboard.for_profile(profile)
         nodes = dashboard.alive_nodes()
@@ -212,10 +212,15 @@ def _profile(path: str):
     return load_profile(path)
 
 
-class _exit_codes:
-    """Map the library's exceptions to one line on stderr and the documented exit code."""
+class _command:
+    """Every command's frame: Ray's client-side loggers kept off the console (commands that run
+    training re-route them to the run's log file), and the library's exceptions mapped to one
+    line on stderr and the documented exit code."""
 
     def __enter__(self):
+        from raytrain_app.console import route_ray_logs
+
+        route_ray_logs(None, verbose=False)
         return self
 
     def __exit__(self, kind, error, tb):

@@ -141,7 +141,7 @@ def stop_nodes(profile: ClusterProfile, pids: list[int]) -> int:
 def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path) -> int:
     lp = profile.local
     workers = lp.worker_port_base + 1000 * i
-    cmd = [_ray_executable(), "start", "--block", "--disable-usage-stats",
+    cmd = [ray_executable(), "start", "--block", "--disable-usage-stats",
            "--num-cpus", str(profile.cpus_per_node), "--num-gpus", str(profile.gpus_per_node),
            "--min-worker-port", str(workers), "--max-worker-port", str(workers + 999),
            "--dashboard-agent-listen-port", str(lp.agent_port_base + i)]
@@ -196,7 +196,7 @@ def _ensure_token(profile: ClusterProfile) -> Optional[str]:
     return profile.token()
 
 
-def _ray_executable() -> str:
+def ray_executable() -> str:
     beside = os.path.join(os.path.dirname(sys.executable), "ray")
     return beside if os.path.exists(beside) else (shutil.which("ray") or "ray")
 
@@ -205,7 +205,7 @@ def _launcher(verb: str, profile: ClusterProfile) -> None:
     config = profile.path(profile.launcher)
     if not os.path.exists(config):
         raise UserError(f"{profile.source}: launcher file not found: {config}")
-    proc = subprocess.run([_ray_executable(), verb, config, "-y"])
+    proc = subprocess.run([ray_executable(), verb, config, "-y"])
     if proc.returncode:
         raise UserError(f"`ray {verb} {config}` failed with exit code {proc.returncode}")
 

@@ -108,6 +108,8 @@ _RULES = [
     ("cpus_per_node", lambda p: p.cpus_per_node >= 1, ">= 1"),
     ("auth", lambda p: not (p.auth.token_env and p.auth.token_file), "one of token_env or token_file, not both"),
     ("connect_timeout_s", lambda p: p.connect_timeout_s > 0, "> 0"),
+    ("local.temp_dir", lambda p: len(p.temp_dir) <= 48, "at most 48 characters (Ray's socket paths under it must fit "
+                                                        "in 107 bytes)"),
     ("launcher", lambda p: not p.launcher or not p.is_local, "unset for address: local (cluster up starts it directly)"),
 ]
 

@@ -17,3 +17,12 @@ def ray_cluster():
              logging_level=logging.WARNING)
     yield ray
     ray.shutdown()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited process that init has not collected yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False

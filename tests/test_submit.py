@@ -8,9 +8,11 @@ processes at the end.
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -19,7 +21,7 @@ import yaml
 
 from raytrain_app.cluster import cluster_down, cluster_up, node_processes
 from raytrain_app.profiles import load_profile
-from tests.conftest import REPO
+from tests.conftest import REPO, running
 
 
 def cli(*args, timeout=240, env=None):
@@ -27,12 +29,17 @@ def cli(*args, timeout=240, env=None):
                           text=True, timeout=timeout, env=env)
 
 
+def short_temp_dir() -> str:
+    """Ray's unix socket paths under its temp dir must fit in 107 bytes: pytest's tmp paths are too long."""
+    return tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+
+
 def write_profile(path, **fields):
     base = {"name": "test-2node", "address": "local", "nodes": 2, "cpus_per_node": 1,
             "storage": str(path.parent / "storage"), "placement": "SPREAD",
             "auth": {"token_file": str(path.parent / "token")},
             "local": {"port": 6490, "dashboard_port": 8366, "client_port": 23501, "worker_port_base": 30000,
-                      "agent_port_base": 52600, "temp_dir": str(path.parent / "ray")}}
+                      "agent_port_base": 52600, "temp_dir": short_temp_dir()}}
     base.update(fields)
     path.write_text(yaml.safe_dump(base))
     return str(path)
@@ -47,7 +54,8 @@ def two_nodes(tmp_path_factory):
     started = node_processes(profile)  # gcs, raylets, dashboard, workers, job drivers
     assert len(started) > 10
     cluster_down(profile, echo=lambda line: None)
-    assert not [pid for pid in started if os.path.exists(f"/proc/{pid}")]  # all of them, and only they, stopped
+    shutil.rmtree(profile.temp_dir, ignore_errors=True)
+    assert not [pid for pid in started if running(pid)]  # all of them, and only they, stopped
 
 
 def ray_cli_env(profile):
@@ -109,6 +117,15 @@ def test_more_gpus_than_the_cluster_has_fails_within_seconds(two_nodes):
     assert proc.stderr.startswith("error: not enough GPUs: the job needs 2 nodes with 4 GPUs")
     assert "the cluster has 2 nodes: 0 GPUs/1 CPUs, 0 GPUs/1 CPUs" in proc.stderr
     assert time.monotonic() - start < 15
+
+
+def test_unwritable_storage_is_reported_before_submitting(two_nodes, tmp_path):
+    _, profile = two_nodes
+    bad = write_profile(tmp_path / "p.yaml", storage="/proc/raytrain-runs", local=vars(profile.local),
+                        auth={"token_file": profile.auth.token_file})
+    proc = cli("submit", "examples/digits.yaml", "--cluster", bad)
+    assert proc.returncode == 2 and "storage /proc/raytrain-runs/digits-" in proc.stderr
+    assert "is not writable" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_unknown_job_is_a_user_error(two_nodes):

@@ -11,15 +11,14 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
+import tempfile
 
 import pytest
 import yaml
 
-from raytrain_app.cluster import _ray_executable, stop_nodes
-from raytrain_app.dashboard import Dashboard
+from raytrain_app.cluster import ray_executable, stop_nodes
 from raytrain_app.profiles import load_profile
-from tests.conftest import REPO
+from tests.conftest import REPO, running
 
 # 198.18.0.0/15 is reserved for network testing: these addresses exist only inside our namespaces.
 HEAD_IP, WORKER_IP, IFNAME = "198.18.0.1", "198.18.0.2", "rt0"
@@ -51,6 +50,7 @@ def two_hosts(tmp_path_factory):
     tag = os.getpid() % 100000
     head_ns, worker_ns = f"rt-head-{tag}", f"rt-worker-{tag}"
     tmp = tmp_path_factory.mktemp("hosts")
+    ray_tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     token = secrets.token_hex(32)
     (tmp / "token").write_text(token)
     profile_path = tmp / "profile.yaml"
@@ -58,7 +58,7 @@ def two_hosts(tmp_path_factory):
         "name": "two-hosts", "address": f"http://127.0.0.1:{DASHBOARD_PORT}", "nodes": 2, "cpus_per_node": 1,
         "placement": "SPREAD", "storage": str(tmp / "storage"), "auth": {"token_file": str(tmp / "token")},
         "runtime_env": {"env_vars": {"GLOO_SOCKET_IFNAME": IFNAME}},
-        "local": {"temp_dir": str(tmp / "ray")},
+        "local": {"temp_dir": ray_tmp},
     }))
     profile = load_profile(str(profile_path))
     pids = []
@@ -75,12 +75,12 @@ def two_hosts(tmp_path_factory):
 
         env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
-        ray = _ray_executable()
+        ray = ray_executable()
         common = ["--block", "--disable-usage-stats", "--num-cpus", "1", "--num-gpus", "0"]
         nodes = [
             (head_ns, [ray, "start", "--head", *common, "--node-ip-address", HEAD_IP, "--port", str(GCS_PORT),
                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
-                       "--temp-dir", str(tmp / "ray")]),
+                       "--temp-dir", ray_tmp]),
             (worker_ns, [ray, "start", *common, "--node-ip-address", WORKER_IP, "--address", f"{HEAD_IP}:{GCS_PORT}"]),
         ]
         for i, (ns, cmd) in enumerate(nodes):
@@ -94,7 +94,8 @@ def two_hosts(tmp_path_factory):
         for ns in (head_ns, worker_ns):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", f"rth{tag}"], capture_output=True)  # if it never moved
-    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not [p for p in pids if running(p)]
 
 
 def wait_for_nodes_script(profile_path, count) -> str:

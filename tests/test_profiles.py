@@ -1,0 +1,45 @@
+"""The shipped cluster profiles parse, and turn cluster shapes into the right worker layout."""
+
+import glob
+
+import pytest
+
+from raytrain_app.config import load_config
+from raytrain_app.errors import UserError
+from raytrain_app.jobs import plan_submission
+from raytrain_app.profiles import load_profile
+
+SHIPPED = sorted(glob.glob("cluster/*.yaml"))
+
+
+def test_all_four_profiles_ship():
+    assert [p.split("/")[-1] for p in SHIPPED] == ["aws-gpu.yaml", "local-2node.yaml", "local.yaml", "onprem.yaml"]
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_shipped_profiles_load(path):
+    profile = load_profile(path)
+    if profile.launcher:
+        with open(profile.path(profile.launcher)) as f:
+            assert "cluster_name:" in f.read()
+    assert profile.jobs_address.startswith("http://127.0.0.1:")  # dashboards stay on loopback
+
+
+def test_gpu_cluster_gets_one_nccl_worker_per_gpu():
+    sub = plan_submission(load_profile("cluster/aws-gpu.yaml"), load_config("examples/digits.yaml"))
+    s = sub.config.scaling
+    assert (s.workers, s.gpus_per_worker, s.backend, s.placement) == (8, 1.0, "nccl", "PACK")
+    assert sub.config.train.precision == "bf16" and sub.run_dir.startswith("s3://my-bucket/raytrain/runs/digits-")
+    assert sub.runtime_env["pip"] == ["raytrain-app"]
+
+
+def test_cpu_cluster_flags_override_the_profile():
+    profile = load_profile("cluster/local-2node.yaml")
+    sub = plan_submission(profile, load_config("examples/digits.yaml"), nodes=2, gpus_per_node=0, cpus_per_node=4,
+                          workers_per_node=2)
+    s = sub.config.scaling
+    assert (s.workers, s.cpus_per_worker, s.backend, s.placement) == (4, 2.0, "gloo", "SPREAD")
+    with pytest.raises(UserError, match="--workers-per-node 3 needs at least that many CPUs"):
+        plan_submission(profile, load_config("examples/digits.yaml"), cpus_per_node=2, workers_per_node=3)
+    with pytest.raises(UserError, match="--nodes must be >= 1"):
+        plan_submission(profile, load_config("examples/digits.yaml"), nodes=0)
