@@ -79,6 +79,8 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every_epochs: int = 1
+    # Also checkpoint every N optimizer steps (0: only at epoch ends); resumes mid-epoch exactly.
+    every_steps: int = 0
     # Keep the best `keep` checkpoints by `metric` (the latest is always kept too).
     keep: int = 2
     metric: Literal["eval_accuracy", "eval_loss", "train_loss"] = "eval_accuracy"
@@ -147,6 +149,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.grad_clip", lambda c: c.train.grad_clip is None or c.train.grad_clip > 0, "> 0 or null"),
     ("checkpoint.every_epochs", lambda c: c.checkpoint.every_epochs >= 1, ">= 1"),
     ("checkpoint.keep", lambda c: c.checkpoint.keep >= 1, ">= 1"),
+    ("checkpoint.every_steps", lambda c: c.checkpoint.every_steps >= 0, ">= 0"),
     ("scaling.workers", lambda c: c.scaling.workers >= 1, ">= 1"),
     ("scaling.gpus_per_worker", lambda c: c.scaling.gpus_per_worker >= 0, ">= 0"),
     ("scaling.cpus_per_worker", lambda c: c.scaling.cpus_per_worker > 0, "> 0"),

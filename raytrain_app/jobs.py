@@ -109,19 +109,7 @@ def preflight(sub: Submission, dashboard: Dashboard) -> None:
         short = "GPUs" if need_gpus and sum(n.gpus >= need_gpus for n in nodes) < sub.nodes else "CPUs"
         raise UserError(f"not enough {short}: the job needs {sub.nodes} nodes with {what} each; "
                         f"the cluster has {len(nodes)} nodes: {have}")
-    check_writable(sub.run_dir)
-
-
-def check_writable(run_dir: str) -> None:
-    marker = storage.join(run_dir, ".write-test")
-    try:
-        storage.write_text(marker, "ok")
-        fs, path = storage.filesystem_for(marker)
-        fs.delete_file(path)
-    except (OSError, Exception) as e:  # pyarrow raises OSError subclasses and its own errors
-        if isinstance(e, UserError):
-            raise
-        raise UserError(f"storage {run_dir} is not writable: {e}") from None
+    storage.check_writable(sub.run_dir)
 
 
 def submit(sub: Submission, dashboard: Dashboard) -> str:

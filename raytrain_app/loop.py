@@ -88,23 +88,36 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
 
     resumed = ray.train.get_checkpoint()
     if resumed:
-        with resumed.as_directory() as directory:
-            checkpoint.restore(directory, state, rank)
-        log.info("resumed from %s at epoch %d, step %d", resumed.path, state.epoch, state.step)
+        restored = checkpoint.restore_latest_good(resumed, state, rank, device, warn=lambda msg: _notice(events, rank, log, msg))
+        log.info("resumed from %s at epoch %d, step %d, batch %d", restored, state.epoch, state.step, state.batch)
+
+    def save_and_report(metrics: dict) -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint.save(directory, state, rank, job.to_dict())
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+    def after_step(last_in_epoch: bool) -> None:
+        """Mid-epoch checkpoints every N optimizer steps; they record the sampler position."""
+        every = job.checkpoint.every_steps
+        if every and state.step % every == 0 and not last_in_epoch:
+            state.train_time = time.perf_counter() - t0
+            save_and_report({"epoch": state.epoch, "step": state.step, "batch": state.batch,
+                             job.checkpoint.metric: float("nan")})  # never "best": only the latest matters
 
     for epoch in range(state.epoch, tc.epochs):
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        on_batch = _progress_reporter(events, epoch, len(train_dl)) if progress and rank == 0 else None
-        t0 = time.perf_counter()
+        sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming mid-epoch
+        on_batch = _progress_reporter(events, epoch, state.batch + len(train_dl)) if progress and rank == 0 else None
+        t0 = time.perf_counter() - state.train_time
         train_totals = train_epoch(train_model, train_dl, state, precision, tc.grad_accum_steps, tc.grad_clip,
-                                   device, on_batch)
+                                   device, on_batch, after_step, state.totals)
         train_time = time.perf_counter() - t0
         eval_totals = evaluate(model, eval_dl, precision, device)
 
         train_totals.all_reduce()
         eval_totals.all_reduce()
         slowest = global_max(train_time, device)
-        state.epoch = epoch + 1
+        state.epoch, state.batch, state.totals, state.train_time = epoch + 1, 0, None, 0.0
         metrics = {
             "epoch": state.epoch,
             "step": state.step,
@@ -120,9 +133,7 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
         log.info("epoch %d %s", state.epoch, metrics)
 
         if state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs:
-            with tempfile.TemporaryDirectory() as directory:
-                checkpoint.save(directory, state, rank, job.to_dict())
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+            save_and_report(metrics)
         else:
             ray.train.report(metrics)
         if rank == 0:
@@ -138,17 +149,19 @@ def train_epoch(
     grad_clip: Optional[float],
     device: torch.device,
     on_batch: Optional[Callable[[int], None]] = None,
+    after_step: Optional[Callable[[bool], None]] = None,
+    totals: Optional[Totals] = None,
 ) -> Totals:
-    """One pass over this rank's shard; returns its unreduced loss totals.
+    """One pass over this rank's shard (or its rest, from `state.batch`); returns its unreduced loss totals.
 
     With gradient accumulation, each optimizer step averages the gradients of up to
     `accum_steps` micro-batches. DDP all-reduces on every backward unless told not to, so the
     non-final micro-batches run under `no_sync()`: one all-reduce per optimizer step.
     """
     model.train()
-    totals = Totals(device)
-    n = len(loader)
-    for i, (x, y) in enumerate(loader):
+    state.totals = totals = totals or Totals(device)
+    n = state.batch + len(loader)
+    for i, (x, y) in enumerate(loader, start=state.batch):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         window_start = i - i % accum_steps
         window_end = min(window_start + accum_steps, n)  # the epoch's last window may be shorter
@@ -160,11 +173,14 @@ def train_epoch(
             window = window_end - window_start
             precision.backward(loss / window if window > 1 else loss)
         totals.add(loss, len(y))
+        state.batch = i + 1
         if last:
             precision.step(state.optimizer, state.model.parameters(), grad_clip)
             state.optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             state.step += 1
+            if after_step:
+                after_step(i + 1 == n)
         if on_batch:
             on_batch(i + 1)
     return totals
@@ -218,6 +234,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _notice(events, rank: int, log, message: str) -> None:
+    log.warning(message)
+    if rank == 0:
+        events.put(("notice", message))
 
 
 def _progress_reporter(events, epoch: int, total: int) -> Callable[[int], None]:

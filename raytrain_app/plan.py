@@ -56,6 +56,7 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
         preflight(config)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    storage.check_writable(run_dir)
     return RunPlan(config, run_dir, resume)
 
 

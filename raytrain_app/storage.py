@@ -53,3 +53,14 @@ def read_text(path: str) -> str:
     fs, p = filesystem_for(path)
     with fs.open_input_stream(p) as f:
         return f.read().decode()
+
+
+def check_writable(run_dir: str) -> None:
+    """Write and delete a marker: a read-only or full volume is reported before any work starts."""
+    marker = join(run_dir, ".write-test")
+    try:
+        write_text(marker, "ok")
+        fs, path = filesystem_for(marker)
+        fs.delete_file(path)
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"storage {run_dir} is not writable: {e}") from None

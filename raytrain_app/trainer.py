@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Empty, Queue
 
 from raytrain_app import storage
-from raytrain_app.config import CheckpointConfig, dump_yaml
+from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line
 from raytrain_app.errors import TrainingFailed, UserError
 from raytrain_app.loop import train_loop_per_worker
@@ -48,6 +49,9 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
 
+    # One timeout for both layers: torch's process group (TorchConfig below) and Ray Train's own
+    # collectives such as the barrier inside ray.train.report, which has none by default.
+    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(config.scaling.timeout_s)
     events = Queue()
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -74,7 +78,11 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
-        raise _explain(e) from None
+        raise _explain(e, config) from None
+    except (SystemExit, ray.exceptions.RayActorError):
+        # Ray Train's own SIGINT handler aborts the run by killing its controller, then exits 0.
+        # An interrupted run is not a successful one.
+        raise KeyboardInterrupt from None
     finally:
         listener.stop()
         ray.kill(events.actor)
@@ -93,8 +101,11 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult
 def _best(checkpoints: list, config: CheckpointConfig) -> tuple[Optional[str], Optional[dict]]:
     if not checkpoints:
         return None, None
+    scored = [(c, m) for c, m in checkpoints if m.get(config.metric) == m.get(config.metric)]  # not NaN
+    if not scored:
+        return None, None
     pick = max if config.mode == "max" else min
-    checkpoint, metrics = pick(checkpoints, key=lambda cm: cm[1][config.metric])
+    checkpoint, metrics = pick(scored, key=lambda cm: cm[1][config.metric])
     return checkpoint.path, metrics
 
 
@@ -159,24 +170,53 @@ class EventListener(threading.Thread):
     def _handle(self, kind: str, payload) -> None:
         if kind == "progress":
             self.progress.update(*payload)
+        elif kind == "notice":
+            self.progress.close()
+            self.echo(f"warning: {payload}")
         else:
             self.log.add(payload)
             self.progress.close()
             self.echo(epoch_line(payload, self.epochs))
 
 
-def _explain(error: ray.train.TrainingFailedError) -> Exception:
-    """One clause per failed rank with its error's last line, not Ray's nested tracebacks."""
+def _explain(error: ray.train.TrainingFailedError, config: JobConfig) -> Exception:
+    """One clause per failed rank: where it ran and its last error line, not Ray's nested tracebacks."""
     failures = getattr(error, "worker_failures", None) or {}
     if failures and all(isinstance(e, UserError) for e in failures.values()):
         return UserError(_last_line(next(iter(failures.values()))))
     if not failures:
         return TrainingFailed(_describe(getattr(error, "controller_failure", error)))
-    return TrainingFailed("; ".join(f"rank {rank}: {_describe(e)}" for rank, e in sorted(failures.items())))
+    clauses = [f"rank {rank}{_where(e)}: {_describe(e)}" for rank, e in sorted(failures.items())]
+    waiting = sorted(rank for rank, e in failures.items() if _TIMEOUT.search(str(e)))
+    if waiting:
+        stalled = sorted(set(range(config.scaling.workers)) - set(failures))
+        clauses.insert(0, f"a collective timed out after {config.scaling.timeout_s}s (scaling.timeout_s): "
+                          f"rank(s) {_ranks(waiting)} were waiting; "
+                          f"rank(s) {_ranks(stalled) if stalled else 'unknown'} stalled")
+    return TrainingFailed("; ".join(clauses))
+
+
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _where(e: BaseException) -> str:
+    """" on IP (pid N)" from what Ray's worker errors say about the process."""
+    text = str(e)
+    ip = re.search(r"\bip[=:]\s*([0-9a-fA-F.:]+[0-9a-fA-F])", text)
+    pid = re.search(r"\bpid[=:]\s*(\d+)", text)
+    return (f" on node {ip.group(1)}" if ip else "") + (f" (pid {pid.group(1)})" if pid else "")
 
 
 def _describe(e: BaseException) -> str:
-    """`Type: message` for a plain exception; the last line for one that carries a traceback."""
+    """`Type: message` for a plain exception; the last line for one that carries a traceback;
+    Ray's exit detail for a worker process that died."""
+    died = re.search(r"Worker exit detail: ([^\n]+?)(?: The (?:process|worker)|$)", str(e), re.MULTILINE)
+    if died:
+        return f"worker process died: {died.group(1).strip()}"
     line = _last_line(e)
     return line if "\n" in str(e).strip() else f"{type(e).__name__}: {line}"
 

@@ -4,6 +4,8 @@ They run inside real Ray Train workers, so what they record goes to files the te
 """
 
 import os
+import signal
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -65,20 +67,30 @@ def recorder(out_dir: str) -> nn.Module:
     return Recorder(out_dir)
 
 
-class CrashOnce(nn.Module):
-    """Raises on training forward call `crash_at` while `marker` exists: a real mid-run worker crash."""
+class Fault(nn.Module):
+    """Injects a real fault on training forward call `at` of rank `rank`, once (while `marker` exists):
 
-    def __init__(self, inner: nn.Module, marker: str, crash_at: int):
+    crash: raise an exception; kill: SIGKILL this worker process; stall: sleep for an hour.
+    """
+
+    def __init__(self, inner: nn.Module, marker: str, at: int, rank: int, fault: str):
         super().__init__()
-        self.inner, self.marker, self.crash_at, self.calls = inner, marker, crash_at, 0
+        self.inner, self.marker, self.at, self.rank, self.fault, self.calls = inner, marker, at, rank, fault, 0
 
     def forward(self, x):
         if self.training and x.shape[0] > 1:
             self.calls += 1
-            if self.calls == self.crash_at and os.path.exists(self.marker):
-                raise RuntimeError("injected crash")
+            mine = self.rank < 0 or ray.train.get_context().get_world_rank() == self.rank
+            if mine and self.calls == self.at and os.path.exists(self.marker):
+                if self.fault == "crash":
+                    raise RuntimeError("injected crash")
+                os.unlink(self.marker)  # once: the restarted worker must not fault again
+                if self.fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)
         return self.inner(x)
 
 
-def crashing_mlp(input_shape: tuple, num_classes: int, marker: str, crash_at: int) -> nn.Module:
-    return CrashOnce(mlp(input_shape, num_classes, hidden=[32], dropout=0.2), marker, crash_at)
+def faulty_mlp(input_shape: tuple, num_classes: int, marker: str, at: int, rank: int = -1,
+               fault: str = "crash") -> nn.Module:
+    return Fault(mlp(input_shape, num_classes, hidden=[32], dropout=0.2), marker, at, rank, fault)

@@ -69,8 +69,8 @@ def test_a_crash_exits_1_naming_the_rank_and_its_error(tmp_path):
     marker = tmp_path / "crash"
     marker.touch()
     proc = cli("train", "examples/digits.yaml", "--run-dir", str(tmp_path / "run"), "--set", "train.epochs=1",
-               "--set", "model.name=tests.helpers:crashing_mlp",
-               "--set", f"model.args={{marker: '{marker}', crash_at: 3}}")
+               "--set", "model.name=tests.helpers:faulty_mlp",
+               "--set", f"model.args={{marker: '{marker}', at: 3}}")
     assert proc.returncode == 1, proc.stderr
     assert re.fullmatch(r"training failed: rank \d: RuntimeError: injected crash(; rank \d: [^\n]*)?\n", proc.stderr)
 

@@ -112,7 +112,7 @@ def test_gradient_accumulation_matches_a_larger_batch(table, tmp_path):
 def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tmp_path):
     marker = tmp_path / "crash"
     # Dropout and the per-step schedule make the run depend on restored RNG, optimizer and scheduler state.
-    model = {"name": "tests.helpers:crashing_mlp", "args": {"marker": str(marker), "crash_at": 60}}
+    model = {"name": "tests.helpers:faulty_mlp", "args": {"marker": str(marker), "at": 60}}
     config = job(model=model, data={"name": "digits"}, train={"epochs": 3, "batch_size": 32})
     straight = run(config, tmp_path / "straight")  # no marker: never crashes
 

@@ -85,7 +85,7 @@ def test_checkpoint_round_trip_with_safe_loading(tmp_path):
     expected = torch.rand(3)  # drawn after the save: restoring must replay it
 
     _, _, fresh, _ = setup()
-    checkpoint.restore(str(tmp_path), fresh, rank=0)
+    checkpoint.load_into(str(tmp_path), fresh, rank=0, device=CPU)
     assert torch.equal(torch.rand(3), expected)
     assert fresh.step == state.step and fresh.epoch == 1
     for a, b in zip(fresh.model.parameters(), state.model.parameters()):

@@ -1,13 +1,17 @@
 """The `data:` config entry: build train/eval datasets and shard them across workers.
 
-Training uses `DistributedSampler` (shuffled, seeded, `set_epoch` every epoch). Evaluation uses
+Training uses `DistributedSampler` (shuffled, seeded, `set_epoch` every epoch), able to start
+partway through an epoch. Evaluation uses
 `EvalShard`, which gives rank r the samples r, r+W, r+2W, ... with no padding, so that summed
 over ranks every eval sample counts exactly once whatever the dataset size.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+
+import torch
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
@@ -61,6 +65,19 @@ def _num_classes(*datasets: Dataset) -> int:
     return 0  # unknown: the model's own default decides
 
 
+class TrainShard(DistributedSampler):
+    """DistributedSampler that can start `skip` samples into the epoch, to resume mid-epoch
+    without repeating or skipping samples."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
 class EvalShard(Sampler[int]):
     """Rank r's slice r::world of the eval set: disjoint, complete, never padded."""
 
@@ -74,11 +91,14 @@ class EvalShard(Sampler[int]):
         return len(self.indices)
 
 
-def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, pin: bool) -> DataLoader:
+def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, pin: bool, seed: int = 0) -> DataLoader:
     # Array datasets return a whole collated batch from __getitems__; others use the default collate.
     collate = _as_is if isinstance(dataset, ArrayDataset) else None
+    # The loader's own generator: starting an epoch's iterator must not draw from the global RNG,
+    # or a run resumed mid-epoch would see different dropout and augmentation than the original.
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      collate_fn=collate, pin_memory=pin, persistent_workers=workers > 0)
+                      collate_fn=collate, pin_memory=pin, persistent_workers=workers > 0,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def _as_is(batch):
@@ -86,8 +106,8 @@ def _as_is(batch):
 
 
 def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool):
-    sampler = DistributedSampler(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    return _loader(ds.train, sampler, batch_size, workers, pin), sampler
+    sampler = TrainShard(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank), sampler
 
 
 def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool) -> DataLoader:

@@ -1,0 +1,161 @@
+"""Malformed input, through the real command: each is one line naming the problem, a non-zero exit
+within seconds, no traceback, and nothing started or left behind."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from raytrain_app.config import load_config
+from raytrain_app.errors import ConfigError
+from tests.conftest import REPO
+
+DIGITS = "examples/digits.yaml"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "bad.yaml").write_text("train: {epochs: 3\n")
+    (d / "list.yaml").write_text("- a\n- b\n")
+    (d / "tabs.yaml").write_text("train:\n\tepochs: 3\n")
+    (d / "binary.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    pq.write_table(pa.table({"image": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}),
+                   d / "empty.parquet")
+    pq.write_table(pa.table({"image": [[1.0, 2.0]] * 4, "label": [0, 1, 2, 3]}), d / "tiny.parquet")
+    pq.write_table(pa.table({"image": [[1.0, 2.0]] * 8, "label": ["a"] * 8}), d / "strlabels.parquet")
+    (d / "notparquet.parquet").write_text("this is not parquet")
+    rows = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+    pq.write_table(pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), 4),
+                             "label": pa.array(np.arange(40) % 50 + 0, pa.int64())}), d / "wide_labels.parquet")
+    return d
+
+
+def cases(d):
+    parquet = lambda name, *more: ["--set", "data.name=parquet", "--set", f"data.args={{path: '{d / name}'}}",
+                                   "--set", "model.name=mlp", *more]
+    return [
+        # the config file itself
+        (["missing.yaml"], "config file not found"),
+        ([str(d / "bad.yaml")], "malformed YAML at line 2"),
+        ([str(d / "list.yaml")], "the top level must be a mapping"),
+        ([str(d / "tabs.yaml")], "malformed YAML"),
+        ([str(d / "binary.yaml")], "cannot read config file"),
+        # unknown keys and wrong types
+        ([DIGITS, "--set", "train.epoch=3"], "unknown key 'train.epoch'"),
+        ([DIGITS, "--set", "colour=red"], "unknown key 'colour'"),
+        ([DIGITS, "--set", "train.epochs=ten"], "train.epochs must be an integer"),
+        ([DIGITS, "--set", "train.epochs=2.5"], "train.epochs must be an integer"),
+        ([DIGITS, "--set", "optimizer.lr=fast"], "optimizer.lr must be a number"),
+        ([DIGITS, "--set", "train.sync_batchnorm=maybe"], "train.sync_batchnorm must be true or false"),
+        ([DIGITS, "--set", "train=5"], "train must be a mapping"),
+        ([DIGITS, "--set", "optimizer.betas=[0.9]"], "optimizer.betas must be a list of 2 values"),
+        # negative or zero sizes, impossible values
+        ([DIGITS, "--set", "train.epochs=0"], "train.epochs must be >= 1"),
+        ([DIGITS, "--set", "train.batch_size=-8"], "train.batch_size must be >= 1"),
+        ([DIGITS, "--set", "train.grad_accum_steps=0"], "train.grad_accum_steps must be >= 1"),
+        ([DIGITS, "--set", "optimizer.lr=0"], "optimizer.lr must be > 0"),
+        ([DIGITS, "--set", "data.eval_fraction=1.5"], "data.eval_fraction must be between 0 and 1"),
+        ([DIGITS, "--set", "checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
+        ([DIGITS, "--set", "scaling.timeout_s=0"], "scaling.timeout_s must be >= 1"),
+        ([DIGITS, "--workers", "0"], "scaling.workers must be >= 1"),
+        ([DIGITS, "--workers", "-2"], "scaling.workers must be >= 1"),
+        ([DIGITS, "--gpus-per-worker", "-1"], "scaling.gpus_per_worker must be >= 0"),
+        ([DIGITS, "--set", "train.precision=fp8"], "train.precision must be one of"),
+        ([DIGITS, "--set", "scaling.backend=mpi"], "scaling.backend must be one of"),
+        ([DIGITS, "--set", "scaling.backend=nccl"], "nccl needs GPUs"),
+        ([DIGITS, "--set", "train.sync_batchnorm=true"], "sync_batchnorm needs GPU workers"),
+        # bad --set expressions
+        ([DIGITS, "--set", "train.epochs"], "bad --set expression"),
+        ([DIGITS, "--set", "=3"], "bad --set expression"),
+        ([DIGITS, "--set", "train.epochs=[1"], "the value is not valid YAML"),
+        # models and datasets
+        ([DIGITS, "--set", "model.name=vgg"], "model.name: unknown name 'vgg'"),
+        ([DIGITS, "--set", "model.name=nomodule:build"], "cannot import 'nomodule'"),
+        ([DIGITS, "--set", "model.name=os:nothing_here"], "has no callable 'nothing_here'"),
+        ([DIGITS, "--set", "model.args={depth: 3}"], "model.args: unknown argument 'depth'"),
+        ([DIGITS, "--set", "data.name=imagenet"], "data.name: unknown name 'imagenet'"),
+        ([DIGITS, "--set", "data.args={resize: big}"], "data.args.resize must be an integer"),
+        ([DIGITS, "--set", "data.name=mnist", "--set", "data.args={root: /nonexistent}"], "MNIST not found"),
+        (parquet("nothere.parquet"), "dataset file not found"),
+        (parquet("empty.parquet"), "dataset is empty"),
+        (parquet("notparquet.parquet"), "not a readable Parquet file"),
+        (parquet("strlabels.parquet"), "must hold integers"),
+        (parquet("wide_labels.parquet", "--set", "model.args={num_classes: 10}"), "labels range over [0, 39]"),
+        ([DIGITS, "--set", "model.args.num_classes=5"], "labels range over [0, 9]"),
+        ([DIGITS, "--set", "train.batch_size=5000"], "larger than a worker's shard"),
+        ([DIGITS, "--set", "data.name=digits", "--set", "model.name=lenet", "--set", "data.args={}",
+          "--set", "data.args.resize=64"], "cannot take the data's inputs"),
+        # run directories
+        ([DIGITS, "--resume", "--run-dir", str(d / "no-such-run")], "no checkpoint to resume"),
+        ([DIGITS, "--run-dir", "/proc/raytrain-run"], "is not writable"),
+    ]
+
+
+def ray_servers() -> int:
+    out = subprocess.run(["ps", "-eo", "comm"], capture_output=True, text=True).stdout.split()
+    return sum(name in ("gcs_server", "raylet") for name in out)
+
+
+def test_at_least_30_malformed_inputs_fail_cleanly(files, tmp_path):
+    table = cases(files)
+    assert len(table) >= 30
+    servers = ray_servers()
+    for args, message in table:
+        run_dir = [] if "--run-dir" in args else ["--run-dir", str(tmp_path / "run")]
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "train", *args, *run_dir], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert message in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert took < 20, (args, took)
+        assert not (tmp_path / "run").exists()  # nothing written
+        assert ray_servers() == servers  # nothing started, nothing left running
+
+
+yaml_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+keys = st.sampled_from(["name", "seed", "model", "data", "optimizer", "schedule", "train", "checkpoint",
+                        "scaling", "failure", "train.epochs", "optimizer.betas", "model.args", "data.args",
+                        "scaling.backend", "train.grad_clip", "nope", "train.nope"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=st.dictionaries(keys, yaml_values, max_size=6), sets=st.lists(st.text(max_size=20), max_size=3))
+def test_fuzzed_configs_raise_only_config_errors(tmp_path, doc, sets):
+    nested: dict = {}
+    for key, value in doc.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {}) if isinstance(node.get(p, {}), dict) else {}
+        node[leaf] = value
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(nested))
+    try:
+        load_config(path, sets)
+    except ConfigError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=200))
+def test_fuzzed_yaml_text_raises_only_config_errors(tmp_path, text):
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(text)
+    try:
+        load_config(path)
+    except ConfigError:
+        pass
