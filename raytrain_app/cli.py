@@ -236,5 +236,18 @@ class _command:
         return False
 
 
+def run() -> None:
+    """The console script: click's own usage errors become one line too, like every user error."""
+    try:
+        code = main(standalone_mode=False)
+    except click.UsageError as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(EXIT_USAGE)
+    except click.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":
-    main()
+    run()

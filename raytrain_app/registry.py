@@ -13,7 +13,7 @@ import typing
 from typing import Any, Callable
 
 from raytrain_app.config import check_scalar
-from raytrain_app.errors import ConfigError
+from raytrain_app.errors import ConfigError, UserError
 
 
 def resolve(name: str, builtins: dict[str, Callable], key: str) -> Callable:
@@ -63,4 +63,11 @@ def bind(fn: Callable, args: dict, key: str, context: dict) -> dict:
 
 def build(name: str, args: dict, builtins: dict[str, Callable], key: str, context: dict) -> Any:
     fn = resolve(name, builtins, f"{key}.name")
-    return fn(**bind(fn, args, key, context))
+    kwargs = bind(fn, args, key, context)
+    try:
+        return fn(**kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # a builder refusing its arguments is the user's to fix, not a crash
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise UserError(f"{key}: '{name}' could not be built: {type(e).__name__}: {detail}") from None

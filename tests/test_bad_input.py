@@ -39,9 +39,12 @@ def files(tmp_path_factory):
 
 
 def cases(d):
-    parquet = lambda name, *more: ["--set", "data.name=parquet", "--set", f"data.args={{path: '{d / name}'}}",
+    parquet = lambda name, *more: [DIGITS, "--set", "data.name=parquet", "--set", f"data.args={{path: '{d / name}'}}",
                                    "--set", "model.name=mlp", *more]
     return [
+        # the command line itself
+        ([DIGITS, "--workers", "many"], "Invalid value for '--workers'"),
+        (["--no-such-flag", DIGITS], "No such option '--no-such-flag'"),
         # the config file itself
         (["missing.yaml"], "config file not found"),
         ([str(d / "bad.yaml")], "malformed YAML at line 2"),
@@ -88,11 +91,14 @@ def cases(d):
         (parquet("empty.parquet"), "dataset is empty"),
         (parquet("notparquet.parquet"), "not a readable Parquet file"),
         (parquet("strlabels.parquet"), "must hold integers"),
-        (parquet("wide_labels.parquet", "--set", "model.args={num_classes: 10}"), "labels range over [0, 39]"),
+        (parquet("wide_labels.parquet", "--set", "model.args={num_classes: 10}", "--set", "train.batch_size=4"),
+         "but the model has 10 outputs"),
         ([DIGITS, "--set", "model.args.num_classes=5"], "labels range over [0, 9]"),
         ([DIGITS, "--set", "train.batch_size=5000"], "larger than a worker's shard"),
         ([DIGITS, "--set", "data.name=digits", "--set", "model.name=lenet", "--set", "data.args={}",
-          "--set", "data.args.resize=64"], "cannot take the data's inputs"),
+          "--set", "data.args.resize=64"], "LeNet takes images of 8 to 32 pixels, got 64"),
+        ([DIGITS, "--set", "model.name=mlp", "--set", "model.args={input_shape: [10]}"],
+         "cannot take the data's inputs"),
         # run directories
         ([DIGITS, "--resume", "--run-dir", str(d / "no-such-run")], "no checkpoint to resume"),
         ([DIGITS, "--run-dir", "/proc/raytrain-run"], "is not writable"),
