@@ -62,6 +62,7 @@ def save(directory: str, state: TrainState, rank: int, config: dict) -> None:
         "rng": _rng_state(),
         "sums": totals.sums.cpu() if totals else None,
         "samples": totals.samples if totals else 0,
+        "data_wait_s": totals.data_wait_s if totals else 0.0,
         "train_time": state.train_time,
     })
 
@@ -121,7 +122,7 @@ def load_into(directory: str, state: TrainState, rank: int, device: torch.device
         if state.batch:
             state.totals = Totals(device)
             state.totals.sums.copy_(mine["sums"])
-            state.totals.samples = mine["samples"]
+            state.totals.samples, state.totals.data_wait_s = mine["samples"], mine["data_wait_s"]
             state.train_time = mine["train_time"]
 
 

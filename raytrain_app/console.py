@@ -11,8 +11,6 @@ import os
 import sys
 from typing import Optional
 
-import click
-
 
 def route_ray_logs(log_file: Optional[str], verbose: bool) -> None:
     """Send the `ray` loggers to a file instead of the console (or show them, with --verbose)."""
@@ -38,7 +36,29 @@ def epoch_line(m: dict, epochs: int) -> str:
     width = len(str(epochs))
     return (f"epoch {m['epoch']:>{width}}/{epochs} | train_loss {m['train_loss']:.4f} | eval_loss {m['eval_loss']:.4f}"
             f" | eval_acc {m['eval_accuracy'] * 100:6.2f}% | {m['samples_per_s']:,.0f} samples/s"
-            f" | lr {m['lr']:.2e} | {m['epoch_time_s']:.1f}s")
+            f" | lr {m['lr']:.2e} | {m['epoch_time_s']:.1f}s, data {m['data_wait_frac']:.0%}")
+
+
+STARTUP_PHASES = [
+    ("imports+checks", "start", "planned"),
+    ("cluster", "planned", "cluster"),
+    ("worker group", "fit", "loop"),
+    ("data+model", "loop", "ready"),
+    ("first step", "ready", "first_step"),
+]
+
+
+def startup_phases(marks: dict) -> dict:
+    """Seconds per start-up phase, from wall-clock marks taken on the driver and on rank 0."""
+    phases = {name: marks[b] - marks[a] for name, a, b in STARTUP_PHASES if a in marks and b in marks}
+    if "start" in marks and "first_step" in marks:
+        phases["total"] = marks["first_step"] - marks["start"]
+    return {k: round(v, 3) for k, v in phases.items()}
+
+
+def startup_line(phases: dict) -> str:
+    parts = ", ".join(f"{k} {v:.1f}s" for k, v in phases.items() if k != "total")
+    return f"first step after {phases.get('total', 0):.1f}s ({parts})"
 
 
 class Progress:
@@ -63,16 +83,8 @@ class Progress:
             self.bar.close()
             self.bar = None
 
-    def write(self, line: str) -> None:
-        self.close()
-        click.echo(line)
-
 
 def summary_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     rule = "-" * (width + 2 + max(len(v) for _, v in rows))
     return "\n".join([rule, *(f"{k:<{width}}  {v}" for k, v in rows), rule])
-
-
-def error(message: str) -> None:
-    click.echo(f"error: {message}", err=True)

@@ -79,7 +79,6 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
         gpus_per_worker=1.0 if gpus else 0.0,
         # CPU workers take a node's CPUs in equal parts, so exactly `per_node` fit on each node.
         cpus_per_worker=config.scaling.cpus_per_worker if gpus else float(cpus // per_node),
-        backend="auto" if config.scaling.backend == "auto" else config.scaling.backend,
         placement=profile.placement,
     )
     config = resolve_auto(dataclasses.replace(config, name=name or config.name, scaling=scaling))

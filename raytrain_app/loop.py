@@ -40,6 +40,7 @@ PROGRESS_INTERVAL_S = 0.5
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
+    entered = time.time()
     # Run where the user launched, as a hand-written DDP script would: relative data paths and
     # "mypkg.models:build" import paths then mean the same on workers as on the driver.
     if os.path.isdir(loop_config["cwd"]):
@@ -53,13 +54,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
     log = _rank_logger(loop_config["log_dir"], rank)
     log.info("rank %d/%d on node %s, device %s", rank, world_size, ray.get_runtime_context().get_node_id(), device)
     try:
-        _run(job, rank, world_size, device, events, loop_config["progress"], log)
+        _run(job, rank, world_size, device, events, loop_config["progress"], log, entered)
     except BaseException:
         log.exception("rank %d failed", rank)
         raise
 
 
-def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, events, progress: bool, log) -> None:
+def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, events, progress: bool, log,
+         entered: float) -> None:
     tc = job.train
 
     # Same seed on every rank for the model's initial weights (DDP broadcasts rank 0's anyway,
@@ -96,8 +98,12 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
             checkpoint.save(directory, state, rank, job.to_dict())
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
+    ready = time.time()
+
     def after_step(last_in_epoch: bool) -> None:
         """Mid-epoch checkpoints every N optimizer steps; they record the sampler position."""
+        if state.step == 1 and rank == 0:  # a fresh run's first step: tell the driver where start-up went
+            events.put(("startup", {"loop": entered, "ready": ready, "first_step": time.time()}))
         every = job.checkpoint.every_steps
         if every and state.step % every == 0 and not last_in_epoch:
             state.train_time = time.perf_counter() - t0
@@ -126,6 +132,8 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
             "eval_accuracy": eval_totals.accuracy,
             "eval_samples": eval_totals.count,
             "samples_per_s": train_totals.count / slowest,
+            "samples_per_s_per_worker": train_totals.count / slowest / world_size,
+            "data_wait_frac": min(1.0, train_totals.data_wait_s / slowest),
             "epoch_time_s": slowest,
             "world_size": world_size,
             "lr": optimizer.param_groups[0]["lr"],
@@ -161,7 +169,9 @@ def train_epoch(
     model.train()
     state.totals = totals = totals or Totals(device)
     n = state.batch + len(loader)
+    waited_since = time.perf_counter()
     for i, (x, y) in enumerate(loader, start=state.batch):
+        totals.data_wait_s += time.perf_counter() - waited_since  # the loader's share of the epoch
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         window_start = i - i % accum_steps
         window_end = min(window_start + accum_steps, n)  # the epoch's last window may be shorter
@@ -183,6 +193,7 @@ def train_epoch(
                 after_step(i + 1 == n)
         if on_batch:
             on_batch(i + 1)
+        waited_since = time.perf_counter()
     return totals
 
 

@@ -12,15 +12,16 @@ import torch.distributed as dist
 
 
 class Totals:
-    """Running sums of (loss x samples, correct predictions, samples) on one rank.
+    """Running sums of (loss x samples, correct predictions, samples, data wait) on one rank.
 
     The sample count lives on the host (it is known there), so a training step costs one
     device op here.
     """
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.samples = 0
+        self.data_wait_s = 0.0  # host time spent waiting for batches
 
     def add(self, mean_loss: torch.Tensor, count: int, correct: torch.Tensor | None = None) -> None:
         self.sums[0].add_(mean_loss.detach(), alpha=count)
@@ -29,10 +30,13 @@ class Totals:
             self.sums[1].add_(correct)
 
     def all_reduce(self) -> "Totals":
-        self.sums[2] = self.samples
+        """Sum over ranks; afterwards `data_wait_s` is the mean over ranks."""
+        self.sums[2], self.sums[3] = self.samples, self.data_wait_s
+        world = 1
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(self.sums)
-        self.samples = int(self.sums[2])
+            world = dist.get_world_size()
+        self.samples, self.data_wait_s = int(self.sums[2]), float(self.sums[3]) / world
         return self
 
     @property

@@ -21,7 +21,7 @@ from ray.util.queue import Empty, Queue
 
 from raytrain_app import storage
 from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
-from raytrain_app.console import Progress, epoch_line
+from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.errors import TrainingFailed, UserError
 from raytrain_app.loop import train_loop_per_worker
 from raytrain_app.plan import RunPlan
@@ -42,8 +42,13 @@ class RunResult:
     metrics: dict = field(default_factory=dict)
 
 
-def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult:
-    """Run the plan on the Ray cluster this process is connected to."""
+def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None) -> RunResult:
+    """Run the plan on the Ray cluster this process is connected to.
+
+    `marks` are the caller's wall-clock start-up marks ("start", "planned", "cluster"); with the
+    workers' own they become the start-up breakdown printed at the first step and kept in
+    `startup.json`.
+    """
     config = plan.config
     check_resources(plan)
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
@@ -72,7 +77,9 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print) -> RunResult
             ),
         ),
     )
-    listener = EventListener(events, history, Progress(progress), config.train.epochs, echo)
+    marks = {**(marks or {}), "fit": time.time()}
+    listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
+                             storage.join(plan.run_dir, "startup.json"))
     listener.start()
     t0 = time.perf_counter()
     try:
@@ -144,9 +151,11 @@ class MetricsLog:
 class EventListener(threading.Thread):
     """Drains rank 0's events while fit() blocks the main thread."""
 
-    def __init__(self, events: Queue, log: MetricsLog, progress: Progress, epochs: int, echo):
+    def __init__(self, events: Queue, log: MetricsLog, progress: Progress, epochs: int, echo, marks: dict,
+                 startup_file: str):
         super().__init__(daemon=True)
         self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
+        self.marks, self.startup_file = marks, startup_file
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -170,6 +179,11 @@ class EventListener(threading.Thread):
     def _handle(self, kind: str, payload) -> None:
         if kind == "progress":
             self.progress.update(*payload)
+        elif kind == "startup":
+            phases = startup_phases({**self.marks, **payload})
+            storage.write_text(self.startup_file, json.dumps(phases, indent=1) + "\n")
+            self.progress.close()
+            self.echo(startup_line(phases))
         elif kind == "notice":
             self.progress.close()
             self.echo(f"warning: {payload}")

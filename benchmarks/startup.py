@@ -1,0 +1,66 @@
+"""Start-up cost: wall time of the tiny 2-worker job through three launchers, alternating.
+
+    python benchmarks/startup.py --rounds 3
+
+Runs, round after round, (1) `raytrain-app train examples/digits.yaml --set train.epochs=1`,
+(2) the same work as a plain Ray Train `TorchTrainer` script, (3) the same work under
+`torchrun --standalone --nproc_per_node 2`, and prints the median wall times and their ratios
+to torchrun. raytrain-app's own breakdown (imports, cluster, worker group, data, first step)
+is read from the run's startup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def timed(cmd: list[str], cwd: str) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    bin_dir = os.path.dirname(sys.executable)
+    tmp = tempfile.mkdtemp(prefix="startup-")
+    variants = {
+        "raytrain-app train": lambda r: [os.path.join(bin_dir, "raytrain-app"), "train", "examples/digits.yaml",
+                                         "--set", "train.epochs=1", "--run-dir", f"{tmp}/run{r}"],
+        "plain TorchTrainer": lambda r: [sys.executable, os.path.join(HERE, "plain_torchtrainer.py")],
+        "torchrun --standalone": lambda r: [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node",
+                                            "2", os.path.join(HERE, "plain_ddp.py")],
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    phases = []
+    for r in range(args.rounds):
+        order = list(variants.items())
+        for name, cmd in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first
+            times[name].append(timed(cmd(r), REPO))
+        with open(f"{tmp}/run{r}/startup.json") as f:
+            phases.append(json.load(f))
+
+    base = statistics.median(times["torchrun --standalone"])
+    print(f"tiny 2-worker job (digits, 1 epoch, Gloo), {args.rounds} alternating rounds, {os.cpu_count()} CPUs")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"  {name:<22} median {m:6.1f}s  ({', '.join(f'{t:.1f}' for t in ts)})  {m / base:4.1f}x torchrun")
+    keys = phases[0].keys()
+    print("  raytrain-app start-up, median s: " + ", ".join(
+        f"{k} {statistics.median(p[k] for p in phases):.1f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
