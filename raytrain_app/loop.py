@@ -90,7 +90,8 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
 
     resumed = ray.train.get_checkpoint()
     if resumed:
-        restored = checkpoint.restore_latest_good(resumed, state, rank, device, warn=lambda msg: _notice(events, rank, log, msg))
+        restored = checkpoint.restore_latest_good(resumed, state, rank, device,
+                                                  warn=lambda message: _notice(events, rank, log, message))
         log.info("resumed from %s at epoch %d, step %d, batch %d", restored, state.epoch, state.step, state.batch)
 
     def save_and_report(metrics: dict) -> None:
@@ -101,7 +102,8 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
     ready = time.time()
 
     def after_step(last_in_epoch: bool) -> None:
-        """Mid-epoch checkpoints every N optimizer steps; they record the sampler position."""
+        """After each optimizer step: the start-up report (first step), and mid-epoch checkpoints
+        every N steps, which record the sampler position."""
         if state.step == 1 and rank == 0:  # a fresh run's first step: tell the driver where start-up went
             events.put(("startup", {"loop": entered, "ready": ready, "first_step": time.time()}))
         every = job.checkpoint.every_steps
