@@ -74,6 +74,12 @@ class TrainConfig:
     grad_clip: Optional[float] = None
     sync_batchnorm: bool = False
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
+    # channels_last memory format for conv nets; auto: on for GPU workers.
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    # DDP gradient buckets (MB); larger buckets mean fewer, bigger all-reduces.
+    ddp_bucket_cap_mb: float = 25.0
+    # DDP static graph: valid when every step uses the same parameters (no unused branches).
+    ddp_static_graph: bool = False
 
 
 @dataclass
@@ -145,6 +151,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.eval_batch_size", lambda c: c.train.eval_batch_size >= 1, ">= 1"),
     ("train.grad_accum_steps", lambda c: c.train.grad_accum_steps >= 1, ">= 1"),
     ("train.grad_clip", lambda c: c.train.grad_clip is None or c.train.grad_clip > 0, "> 0 or null"),
+    ("train.ddp_bucket_cap_mb", lambda c: c.train.ddp_bucket_cap_mb > 0, "> 0"),
     ("schedule.warmup_epochs", lambda c: 0 <= c.schedule.warmup_epochs <= c.train.epochs, "in [0, train.epochs]"),
     ("schedule.min_lr_ratio", lambda c: 0 <= c.schedule.min_lr_ratio <= 1, "in [0, 1]"),
     ("checkpoint.every_epochs", lambda c: c.checkpoint.every_epochs >= 1, ">= 1"),

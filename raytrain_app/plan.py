@@ -66,6 +66,8 @@ def resolve_auto(config: JobConfig) -> JobConfig:
     scaling = config.scaling
     if train.precision == "auto":
         train = dataclasses.replace(train, precision="bf16" if gpu else "fp32")
+    if train.channels_last == "auto":
+        train = dataclasses.replace(train, channels_last="on" if gpu else "off")
     if scaling.backend == "auto":
         scaling = dataclasses.replace(scaling, backend="nccl" if gpu else "gloo")
     return dataclasses.replace(config, train=train, scaling=scaling)

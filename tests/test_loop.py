@@ -96,3 +96,21 @@ def test_sync_batchnorm_on_cpu_is_refused_before_start(tmp_path):
     config = JobConfig.from_dict({"train": {"sync_batchnorm": True}, "scaling": {"workers": 2}})
     with pytest.raises(UserError, match="sync_batchnorm needs GPU workers"):
         make_plan(config, run_dir=str(tmp_path / "run"))
+
+
+def test_channels_last_trains_to_the_same_weights():
+    data = build_datasets(DataConfig(name="digits", args={"resize": 28}))
+    loader, _ = train_loader(data, 64, 0, 1, 0, 0, False)
+    batches = [b for b, _ in zip(loader, range(4))]
+    results = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        seed_everything(0)
+        model = build_model(ModelConfig(name="lenet"), data.input_shape, 10).to(memory_format=memory_format)
+        opt = build_optimizer(model.parameters(), OptimizerConfig(lr=0.05), world_size=1)
+        prec = Precision("fp32", CPU)
+        state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 4, 1), None)
+        train_epoch(model, batches, state, prec, 1, None, CPU, memory_format=memory_format)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert results[1][0].is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.contiguous(), b.contiguous(), rtol=1e-4, atol=1e-5)
