@@ -9,6 +9,9 @@ pickling across Ray, so a bad label found inside a worker still reads as a user 
 class UserError(Exception):
     """A problem the user can fix: bad config, missing file, impossible request."""
 
+    def __init__(self, message: str = ""):
+        super().__init__(one_line(message))
+
 
 class ConfigError(UserError):
     """A job config that does not parse, type-check or validate."""
@@ -16,3 +19,12 @@ class ConfigError(UserError):
 
 class TrainingFailed(Exception):
     """Training started and did not finish; the message names the rank and its last error."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(one_line(message))
+
+
+def one_line(message: str) -> str:
+    """Messages quote user text (keys, names, paths), which may hold line breaks: keep them visible
+    but on one line, so every error stays one line."""
+    return str(message).replace("\r", "\\r").replace("\n", "\\n")
