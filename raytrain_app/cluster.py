@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -158,18 +158,17 @@ def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path) -> int:
 
 
 def _wait_for(profile: ClusterProfile, nodes: int, pid: int, log: Path) -> None:
-    dashboard = Dashboard(profile.jobs_address, profile.auth_headers(), timeout_s=2)
+    dashboard = Dashboard.for_profile(profile)
+    dashboard.timeout_s = 2  # poll often while the head starts
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if not _alive(pid):
             lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
             raise UserError(f"a node of '{profile.name}' exited while starting: {lines[-1] if lines else '?'} "
                             f"(log: {log})")
-        try:
+        with suppress(UserError):  # the dashboard may not answer yet
             if len(dashboard.alive_nodes()) >= nodes:
                 return
-        except UserError:
-            pass
         time.sleep(1)
     raise UserError(f"cluster '{profile.name}' did not reach {nodes} nodes within {START_TIMEOUT_S}s (log: {log})")
 
@@ -226,10 +225,8 @@ def _write_pids(profile: ClusterProfile, pids: list[int]) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # collect it if it is our own exited child
-    except ChildProcessError:
-        pass
+    with suppress(ChildProcessError):  # collect it if it is our own exited child
+        os.waitpid(pid, os.WNOHANG)
     return pid in _live_pids()
 
 
@@ -265,7 +262,5 @@ def _node_processes(leaders: list[int]) -> set[int]:
 
 def _signal(pids: set[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with suppress(ProcessLookupError):  # already gone
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass

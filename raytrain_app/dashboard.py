@@ -28,6 +28,7 @@ class Node:
 class Dashboard:
     def __init__(self, address: str, headers: dict, timeout_s: float):
         self.address, self.headers, self.timeout_s = address, headers, timeout_s
+        self._client = None
 
     @classmethod
     def for_profile(cls, profile: ClusterProfile) -> "Dashboard":
@@ -60,11 +61,13 @@ class Dashboard:
         return [n for n in self.nodes() if n.alive]
 
     def jobs(self):
-        """Ray's JobSubmissionClient for this address, after a bounded reachability check."""
-        self.check()
-        from ray.job_submission import JobSubmissionClient
+        """Ray's JobSubmissionClient for this address, made once, after a bounded reachability check."""
+        if self._client is None:
+            self.check()
+            from ray.job_submission import JobSubmissionClient
 
-        return JobSubmissionClient(self.address, headers=self.headers, verify=True)
+            self._client = JobSubmissionClient(self.address, headers=self.headers, verify=True)
+        return self._client
 
 
 def reachable(address: str, headers: Optional[dict] = None, timeout_s: float = 2.0) -> bool:

@@ -11,6 +11,7 @@ import os
 import re
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -160,20 +161,16 @@ class EventListener(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            try:
+            with suppress(Empty, ray.exceptions.RayError):  # nothing queued within 0.2 s
                 self._handle(*self.events.get(timeout=0.2))
-            except (Empty, ray.exceptions.RayError):
-                pass
 
     def stop(self) -> None:
         """Stop listening, then handle what is still queued (the last epoch's event may be)."""
         self._stop_event.set()
         self.join()
-        try:
+        with suppress(Empty, ray.exceptions.RayError):  # drained
             while True:
                 self._handle(*self.events.get_nowait())
-        except (Empty, ray.exceptions.RayError):
-            pass
         self.progress.close()
 
     def _handle(self, kind: str, payload) -> None:
