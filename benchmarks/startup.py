@@ -1,12 +1,14 @@
-"""Start-up cost: wall time of the tiny 2-worker job through three launchers, alternating.
+"""Start-up cost: wall time of the tiny 2-worker job through four launchers, alternating.
 
     python benchmarks/startup.py --rounds 3
 
-Runs, round after round, (1) `raytrain-app train examples/digits.yaml --set train.epochs=1`,
-(2) the same work as a plain Ray Train `TorchTrainer` script, (3) the same work under
+Runs, round after round, (1) `raytrain-app train examples/digits.yaml --set train.epochs=1
+--address local` (a fresh embedded cluster), (2) the same `train` joining a local cluster that
+`raytrain-app cluster up cluster/local.yaml` started before the rounds (stopped after them),
+(3) the same work as a plain Ray Train `TorchTrainer` script, (4) the same work under
 `torchrun --standalone --nproc_per_node 2`, and prints the median wall times and their ratios
 to torchrun. raytrain-app's own breakdown (imports, cluster, worker group, data, first step)
-is read from the run's startup.json.
+is read from each run's startup.json.
 """
 
 from __future__ import annotations
@@ -36,30 +38,34 @@ def main() -> None:
     args = p.parse_args()
     bin_dir = os.path.dirname(sys.executable)
     tmp = tempfile.mkdtemp(prefix="startup-")
+    app = [os.path.join(bin_dir, "raytrain-app")]
+    train = app + ["train", "examples/digits.yaml", "--set", "train.epochs=1"]
     variants = {
-        "raytrain-app train": lambda r: [os.path.join(bin_dir, "raytrain-app"), "train", "examples/digits.yaml",
-                                         "--set", "train.epochs=1", "--run-dir", f"{tmp}/run{r}"],
+        "raytrain-app train": lambda r: train + ["--address", "local", "--run-dir", f"{tmp}/run{r}"],
+        "raytrain-app, cluster up": lambda r: train + ["--run-dir", f"{tmp}/reuse{r}"],
         "plain TorchTrainer": lambda r: [sys.executable, os.path.join(HERE, "plain_torchtrainer.py")],
         "torchrun --standalone": lambda r: [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node",
                                             "2", os.path.join(HERE, "plain_ddp.py")],
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
-    phases = []
-    for r in range(args.rounds):
-        order = list(variants.items())
-        for name, cmd in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first
-            times[name].append(timed(cmd(r), REPO))
-        with open(f"{tmp}/run{r}/startup.json") as f:
-            phases.append(json.load(f))
+    subprocess.run(app + ["cluster", "up", "cluster/local.yaml"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    try:
+        for r in range(args.rounds):
+            order = list(variants.items())
+            for name, cmd in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first
+                times[name].append(timed(cmd(r), REPO))
+    finally:
+        subprocess.run(app + ["cluster", "down", "cluster/local.yaml"], cwd=REPO, stdout=subprocess.DEVNULL)
 
     base = statistics.median(times["torchrun --standalone"])
     print(f"tiny 2-worker job (digits, 1 epoch, Gloo), {args.rounds} alternating rounds, {os.cpu_count()} CPUs")
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"  {name:<22} median {m:6.1f}s  ({', '.join(f'{t:.1f}' for t in ts)})  {m / base:4.1f}x torchrun")
-    keys = phases[0].keys()
-    print("  raytrain-app start-up, median s: " + ", ".join(
-        f"{k} {statistics.median(p[k] for p in phases):.1f}" for k in keys))
+        print(f"  {name:<26} median {m:6.1f}s  ({', '.join(f'{t:.1f}' for t in ts)})  {m / base:4.1f}x torchrun")
+    for label, prefix in (("fresh cluster", "run"), ("cluster up", "reuse")):
+        phases = [json.load(open(f"{tmp}/{prefix}{r}/startup.json")) for r in range(args.rounds)]
+        print(f"  raytrain-app start-up ({label}), median s: " + ", ".join(
+            f"{k} {statistics.median(p[k] for p in phases):.1f}" for k in phases[0]))
 
 
 if __name__ == "__main__":

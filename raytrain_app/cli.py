@@ -34,7 +34,9 @@ def main() -> None:
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir (default: the latest run of this "
                                              "job) from its latest checkpoint.")
 @click.option("--address", help="Join the running cluster at this GCS address (HOST:PORT; 'auto' reads "
-                                "$RAY_ADDRESS, as set inside Ray jobs) instead of starting an embedded one.")
+                                "$RAY_ADDRESS, as set inside Ray jobs); 'local' always starts an embedded "
+                                "cluster. Default: a local cluster `cluster up` started, if one is up and "
+                                "large enough, else an embedded one.")
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs and worker output.")
 def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, address, verbose):
     """Train CONFIG (a YAML file, or - for standard input) on Ray."""
@@ -52,14 +54,21 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, add
         marks = {"start": STARTED, "planned": time.time()}
         click.echo(f"run {plan.run_dir}: {plan.config.scaling.workers} workers, {plan.config.scaling.backend}, "
                    f"{plan.config.train.precision}")
-        from raytrain_app.cluster import connected, embedded_cluster
+        from raytrain_app.cluster import connected, embedded_cluster, running_local_cluster
         from raytrain_app.report import summary
         from raytrain_app.trainer import run_training
 
         s = plan.config.scaling
-        cpus = max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999))
-        cluster = connected(address, plan.log_dir, verbose) if address else \
-            embedded_cluster(num_cpus=cpus, log_dir=plan.log_dir, verbose=verbose)
+        need_cpus = s.workers * s.cpus_per_worker
+        running = running_local_cluster(need_cpus, s.workers * s.gpus_per_worker) if address is None else None
+        if running:
+            click.echo(f"using the running local cluster '{running.name}' (--address local starts a fresh one)")
+            cluster = connected(f"127.0.0.1:{running.local.port}", plan.log_dir, verbose, running.token())
+        elif address and address != "local":
+            cluster = connected(address, plan.log_dir, verbose)
+        else:
+            cluster = embedded_cluster(num_cpus=max(os.cpu_count() or 1, int(need_cpus + 0.999)),
+                                       log_dir=plan.log_dir, verbose=verbose)
         with cluster:
             marks["cluster"] = time.time()
             result = run_training(plan, progress=sys.stdout.isatty(), echo=click.echo, marks=marks)

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,11 +24,15 @@ from typing import Callable, Iterator, Optional
 
 from raytrain_app.console import route_ray_logs
 from raytrain_app.dashboard import Dashboard, reachable
-from raytrain_app.errors import UserError
+from raytrain_app.errors import UserError, last_line
 from raytrain_app.profiles import ClusterProfile
 
 NODES_FILE = "raytrain-nodes.json"
+# Which local clusters `cluster up` has started, so that `train` can reuse one instead of paying
+# for a new embedded cluster: one file per profile name, holding the profile's path.
+RUNNING_DIR = os.environ.get("RAYTRAIN_RUNNING_DIR") or f"/tmp/raytrain-{os.getuid()}/running"
 START_TIMEOUT_S = 90
+CONNECT_TIMEOUT_S = 5
 STOP_TIMEOUT_S = 5
 
 
@@ -41,6 +46,10 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
     """
     import ray
 
+    # Ray Train's preemption watcher (spot instances) and its Prometheus metrics serve long-lived
+    # clusters; on a one-machine cluster without a dashboard they only add processes to start-up.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
     route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
     ray.init(
         address="local",
@@ -61,7 +70,8 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
 
 
 @contextmanager
-def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False) -> Iterator[None]:
+def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False,
+              token: Optional[str] = None) -> Iterator[None]:
     """Join a running cluster by its GCS address; `auto` means $RAY_ADDRESS, which Ray Jobs set."""
     import ray
 
@@ -69,12 +79,38 @@ def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False
         address = os.environ.get("RAY_ADDRESS", "")
         if not address:
             raise UserError("--address auto needs $RAY_ADDRESS (Ray sets it for job entrypoints); name the address")
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:  # ray.init would retry for minutes
+        raise UserError(f"cannot reach the Ray cluster at {address} (HOST:PORT of its GCS): "
+                        f"{e.strerror or e if isinstance(e, OSError) else 'bad address'}") from None
+    if token:
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        ray._raylet.Config.initialize("")  # Ray read its auth mode at import; re-read it, as Ray itself does
     route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
-    ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
+    try:
+        ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+        raise UserError(f"cannot join the Ray cluster at {address}: {last_line(e)}") from None
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def running_local_cluster(cpus: float, gpus: float) -> Optional[ClusterProfile]:
+    """A local cluster that `cluster up` started, that is still up and that has `cpus` and `gpus`
+    in all: `train` joins it rather than start its own (saving the cluster's start-up)."""
+    from raytrain_app.profiles import load_profile
+
+    for record in sorted(Path(RUNNING_DIR).glob("*.json")):
+        with suppress(OSError, ValueError, KeyError, UserError):  # a stale or unreadable record: skip it
+            profile = load_profile(json.loads(record.read_text())["profile"])
+            if (_running_pids(profile) and profile.nodes * profile.cpus_per_node >= cpus
+                    and profile.nodes * profile.gpus_per_node >= gpus and reachable(profile.jobs_address, profile.auth_headers())):
+                return profile
+    return None
 
 
 # ---- clusters for profiles ----------------------------------------------------------------
@@ -103,6 +139,9 @@ def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
     except BaseException:
         stop_nodes(profile, pids)
         raise
+    running = Path(RUNNING_DIR)
+    running.mkdir(parents=True, exist_ok=True)
+    (running / f"{profile.name}.json").write_text(json.dumps({"profile": os.path.abspath(profile.source)}))
     echo(f"cluster '{profile.name}' is up: {profile.nodes} nodes, Jobs API at {profile.jobs_address}")
 
 
@@ -135,6 +174,7 @@ def stop_nodes(profile: ClusterProfile, pids: list[int]) -> int:
     while _node_processes(leaders) | (targets & _live_pids()):
         time.sleep(0.1)
     (Path(profile.temp_dir) / NODES_FILE).unlink(missing_ok=True)
+    (Path(RUNNING_DIR) / f"{profile.name}.json").unlink(missing_ok=True)
     return len(leaders)
 
 

@@ -37,8 +37,12 @@ class DataConfig:
     # Datasets without their own test split are split with this fraction and seed.
     eval_fraction: float = 0.2
     split_seed: int = 0
-    # DataLoader worker processes per training worker (0: load in the training process).
-    loader_workers: int = 0
+    # DataLoader worker processes per training worker (0: load in the training process; null:
+    # sized to the machine, none for in-memory datasets).
+    loader_workers: Optional[int] = None
+    # Hold an in-memory dataset on the training device (uint8, normalised and augmented there);
+    # auto: on GPUs when it fits in a quarter of the free memory.
+    on_device: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass
@@ -139,7 +143,7 @@ class JobConfig:
 _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("name", lambda c: bool(c.name.strip()) and "/" not in c.name, "a non-empty name without '/'"),
     ("data.eval_fraction", lambda c: 0.0 < c.data.eval_fraction < 1.0, "between 0 and 1"),
-    ("data.loader_workers", lambda c: c.data.loader_workers >= 0, ">= 0"),
+    ("data.loader_workers", lambda c: c.data.loader_workers is None or c.data.loader_workers >= 0, ">= 0 or null"),
     ("optimizer.lr", lambda c: c.optimizer.lr > 0, "> 0"),
     ("optimizer.momentum", lambda c: 0 <= c.optimizer.momentum < 1, "in [0, 1)"),
     ("optimizer.weight_decay", lambda c: c.optimizer.weight_decay >= 0, ">= 0"),
@@ -265,6 +269,8 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(inner, value, key, source)
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(args):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as true/false
         if value not in args:
             choices = ", ".join(str(a) for a in args)
             raise ConfigError(f"{source}: {key} must be one of {choices}; got {_show(value)}")

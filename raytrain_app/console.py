@@ -33,10 +33,14 @@ def route_ray_logs(log_file: Optional[str], verbose: bool) -> None:
 
 
 def epoch_line(m: dict, epochs: int) -> str:
+    """One line per epoch; the time split reads "data 2%, comm ~9%": communication is an estimate."""
     width = len(str(epochs))
+    per_worker = f" ({m['samples_per_s_per_worker']:,.0f}/worker)" if m["world_size"] > 1 else ""
+    mfu = f", MFU {m['mfu']:.1%}" if "mfu" in m else ""
     return (f"epoch {m['epoch']:>{width}}/{epochs} | train_loss {m['train_loss']:.4f} | eval_loss {m['eval_loss']:.4f}"
-            f" | eval_acc {m['eval_accuracy'] * 100:6.2f}% | {m['samples_per_s']:,.0f} samples/s"
-            f" | lr {m['lr']:.2e} | {m['epoch_time_s']:.1f}s, data {m['data_wait_frac']:.0%}")
+            f" | eval_acc {m['eval_accuracy'] * 100:6.2f}% | {m['samples_per_s']:,.0f} samples/s{per_worker}"
+            f" | lr {m['lr']:.2e} | {m['epoch_time_s']:.1f}s: data {m['data_wait_frac']:.0%},"
+            f" comm ~{m['comm_frac']:.0%}, compute {m['compute_frac']:.0%}{mfu}")
 
 
 STARTUP_PHASES = [

@@ -28,3 +28,9 @@ def one_line(message: str) -> str:
     """Messages quote user text (keys, names, paths), which may hold line breaks: keep them visible
     but on one line, so every error stays one line."""
     return str(message).replace("\r", "\\r").replace("\n", "\\n")
+
+
+def last_line(e: BaseException) -> str:
+    """The last non-empty line of an error: the message under a nested traceback."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__

@@ -31,8 +31,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_app import checkpoint
 from raytrain_app.checkpoint import TrainState
 from raytrain_app.config import JobConfig
-from raytrain_app.data import build_datasets, eval_loader, train_loader
-from raytrain_app.metrics import Totals, global_max
+from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
+from raytrain_app.metrics import (Totals, allreduce_seconds, global_max, peak_flops, time_split,
+                                  train_flops_per_sample)
 from raytrain_app.models import build_model
 from raytrain_app.optim import build_optimizer, build_schedule
 
@@ -69,6 +70,7 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
     seed_everything(job.seed)
     data = build_datasets(job.data)
     model = build_model(job.model, data.input_shape, data.num_classes)
+    flops_per_sample = train_flops_per_sample(model, data.input_shape)  # before SyncBatchNorm, DDP, compile
     if tc.sync_batchnorm and world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # channels_last lets cuDNN pick its fastest convolution kernels; it matters only for conv nets.
@@ -80,13 +82,25 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=tc.ddp_bucket_cap_mb, gradient_as_bucket_view=True,
                     static_graph=tc.ddp_static_graph) if world_size > 1 else model
-    train_model = torch.compile(ddp_model, mode=None if tc.compile == "default" else tc.compile) \
-        if tc.compile != "off" else ddp_model
+    train_model, cuda_graphs = _compiled(ddp_model, tc.compile, world_size, device,
+                                         lambda message: _notice(events, rank, log, message))
 
-    pin = device.type == "cuda"
-    train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, job.data.loader_workers, pin)
-    eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, job.data.loader_workers, pin)
+    # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.
+    resident = keep_on_device(data, job.data.on_device, device)
+    if resident:
+        data = to_device(data, device)
+    workers = loader_workers(job.data.loader_workers, data, job.scaling.cpus_per_worker)
+    pin = device.type == "cuda" and not resident
+    train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident)
+    eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident)
     steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
+    log.info("data %s, %d loader workers; compile %s%s", "on the device" if resident else "through a DataLoader",
+             workers, tc.compile, " with CUDA graphs" if cuda_graphs else "")
+
+    # Where epoch time goes: one unoverlapped all-reduce of the gradients, timed once, bounds
+    # each step's communication; FLOPs against the GPU's peak give the MFU.
+    sync_s = allreduce_seconds(sum(p.numel() for p in model.parameters() if p.requires_grad), device)
+    peak = peak_flops(torch.cuda.get_device_name(device), tc.precision) if device.type == "cuda" else None
 
     optimizer = build_optimizer(model.parameters(), job.optimizer, world_size)
     precision = Precision(tc.precision, device)
@@ -122,8 +136,11 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
         sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming mid-epoch
         on_batch = _progress_reporter(events, epoch, state.batch + len(train_dl)) if progress and rank == 0 else None
         t0 = time.perf_counter() - state.train_time
+        first_step = state.step
         train_totals = train_epoch(train_model, train_dl, state, precision, tc.grad_accum_steps, tc.grad_clip,
-                                   device, on_batch, after_step, state.totals, memory_format)
+                                   device, on_batch, after_step, state.totals, memory_format, cuda_graphs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
         train_time = time.perf_counter() - t0
         eval_totals = evaluate(model, eval_dl, precision, device, memory_format)
 
@@ -140,11 +157,16 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
             "eval_samples": eval_totals.count,
             "samples_per_s": train_totals.count / slowest,
             "samples_per_s_per_worker": train_totals.count / slowest / world_size,
-            "data_wait_frac": min(1.0, train_totals.data_wait_s / slowest),
+            **time_split(slowest, train_totals.data_wait_s, state.step - first_step, sync_s),
             "epoch_time_s": slowest,
             "world_size": world_size,
             "lr": optimizer.param_groups[0]["lr"],
         }
+        if flops_per_sample:
+            achieved = flops_per_sample * metrics["samples_per_s_per_worker"]
+            metrics["tflops_per_worker"] = achieved / 1e12
+            if peak:
+                metrics["mfu"] = achieved / peak
         log.info("epoch %d %s", state.epoch, metrics)
 
         if state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs:
@@ -167,6 +189,7 @@ def train_epoch(
     after_step: Optional[Callable[[bool], None]] = None,
     totals: Optional[Totals] = None,
     memory_format: torch.memory_format = torch.contiguous_format,
+    cuda_graphs: bool = False,
 ) -> Totals:
     """One pass over this rank's shard (or its rest, from `state.batch`); returns its unreduced loss totals.
 
@@ -185,6 +208,8 @@ def train_epoch(
         window_end = min(window_start + accum_steps, n)  # the epoch's last window may be shorter
         last = i + 1 == window_end
         sync = model.no_sync() if not last and hasattr(model, "no_sync") else nullcontext()
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         with sync:
             with precision.autocast():
                 loss = F.cross_entropy(model(x), y)
@@ -222,6 +247,23 @@ def evaluate(model: nn.Module, loader, precision: "Precision", device: torch.dev
         totals.add(F.cross_entropy(logits.float(), y), len(y), (logits.argmax(1) == y).sum())
     model.train()
     return totals
+
+
+def _compiled(model: nn.Module, mode: str, world_size: int, device: torch.device, warn) -> tuple[nn.Module, bool]:
+    """`train.compile`, and whether the result replays CUDA graphs.
+
+    CUDA graphs (reduce-overhead, max-autotune) remove the launch overhead that bounds small
+    models on GPUs, but a graph cannot hold DDP's all-reduce hooks: with DDP the graph-free
+    variant of the mode is used, and torch.compile splits the graph at DDP's buckets instead.
+    """
+    if mode == "off":
+        return model, False
+    graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+    if graphs and world_size > 1:
+        warn(f"train.compile: {mode} uses CUDA graphs, which cannot capture DDP's all-reduce; "
+             f"compiling without them at {world_size} workers")
+        mode, graphs = ("default" if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"), False
+    return torch.compile(model, mode=None if mode == "default" else mode), graphs
 
 
 class Precision:

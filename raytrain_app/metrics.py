@@ -7,6 +7,11 @@ all samples seen by all ranks, which is what a single process over the same data
 
 from __future__ import annotations
 
+import copy
+import statistics
+import time
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -58,3 +63,72 @@ def global_max(value: float, device: torch.device) -> float:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+# ---- where an epoch's time goes -------------------------------------------------------------
+
+
+def train_flops_per_sample(model: torch.nn.Module, input_shape: tuple[int, ...]) -> Optional[float]:
+    """FLOPs of one training sample (forward + backward), counted by PyTorch's FlopCounterMode on
+    a copy of the model on the meta device: no compute, no side effects on weights or BatchNorm
+    statistics. None when the model has operations the counter cannot follow."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        meta = copy.deepcopy(model).to("meta")
+        x = torch.zeros((2, *input_shape), device="meta")
+        with FlopCounterMode(display=False) as counter:
+            meta(x).float().sum().backward()
+        return counter.get_total_flops() / 2 or None
+    except Exception:  # noqa: BLE001 - custom ops or meta-incompatible code: FLOPs unknown, no MFU
+        return None
+
+
+# Dense tensor-core peaks per GPU (FLOP/s) from NVIDIA's data sheets: (bf16/fp16, fp32 without TF32).
+# Matched against torch.cuda.get_device_name(); the first matching name wins.
+PEAK_FLOPS = [
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H100", 989e12, 67e12),
+    ("H200", 989e12, 67e12),
+    ("GH200", 989e12, 67e12),
+    ("B200", 2250e12, 80e12),
+    ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("L4", 121e12, 30.3e12),
+    ("A10", 125e12, 31.2e12),
+]
+
+
+def peak_flops(device_name: str, precision: str) -> Optional[float]:
+    for name, half, single in PEAK_FLOPS:
+        if name in device_name:
+            return single if precision == "fp32" else half
+    return None
+
+
+def allreduce_seconds(numel: int, device: torch.device, repeats: int = 5) -> float:
+    """Median time to all-reduce `numel` fp32 values across the process group: what one step's
+    gradient sync would cost if none of it overlapped the backward pass."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0.0
+    buffer = torch.zeros(numel, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first call warms up the communicator
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return global_max(statistics.median(times[1:]), device)
+
+
+def time_split(epoch_s: float, data_wait_s: float, syncs: int, sync_s: float) -> dict:
+    """An epoch's wall time as shares: waiting for data (measured), gradient all-reduce
+    (estimated: syncs x the calibrated unoverlapped all-reduce, so an upper bound) and compute
+    (the rest: forward, backward, optimizer)."""
+    data = min(data_wait_s, epoch_s)
+    comm = min(syncs * sync_s, epoch_s - data)
+    return {"data_wait_frac": data / epoch_s, "comm_frac": comm / epoch_s,
+            "compute_frac": (epoch_s - data - comm) / epoch_s}

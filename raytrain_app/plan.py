@@ -77,12 +77,13 @@ def preflight(config: JobConfig) -> None:
     """Build the datasets and model once on the driver and check that they fit together."""
     import torch
 
-    from raytrain_app.data import build_datasets, check_labels
+    from raytrain_app.data import build_datasets, check_labels, keep_on_device
     from raytrain_app.models import build_model
 
     if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.workers > 1:
         raise UserError("train.sync_batchnorm needs GPU workers: PyTorch's SyncBatchNorm does not run on CPU")
     data = build_datasets(config.data)
+    keep_on_device(data, config.data.on_device, torch.device("cpu"))  # `on` needs an in-memory dataset
     shard = len(data.train) // config.scaling.workers
     if config.train.batch_size > shard:
         raise UserError(f"train.batch_size {config.train.batch_size} is larger than a worker's shard "

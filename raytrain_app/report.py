@@ -21,6 +21,11 @@ def summary(plan: RunPlan, result: RunResult) -> str:
         (f"best {c.checkpoint.metric}", f"{best.get(c.checkpoint.metric, float('nan')):.4f} (epoch {best.get('epoch', '-')})"),
         ("best checkpoint", result.best_checkpoint or "-"),
         ("throughput", f"{last.get('samples_per_s', 0):,.0f} samples/s"),
-        ("wall time", f"{result.wall_s:.1f}s"),
     ]
+    if "comm_frac" in last:
+        rows.append(("last epoch's time", f"data {last['data_wait_frac']:.0%}, comm ~{last['comm_frac']:.0%}, "
+                                          f"compute {last['compute_frac']:.0%}"))
+    if "mfu" in last:
+        rows.append(("MFU", f"{last['mfu']:.1%} ({last['tflops_per_worker']:.1f} TFLOP/s per GPU)"))
+    rows.append(("wall time", f"{result.wall_s:.1f}s"))
     return summary_table(rows)

@@ -58,9 +58,12 @@ def read_text(path: str) -> str:
 def check_writable(run_dir: str) -> None:
     """Write and delete a marker: a read-only or full volume is reported before any work starts."""
     marker = join(run_dir, ".write-test")
+    existed = exists(run_dir)
     try:
         write_text(marker, "ok")
         fs, path = filesystem_for(marker)
         fs.delete_file(path)
+        if not existed:  # a run that fails before it starts leaves no empty directory behind
+            fs.delete_dir(path.rsplit("/", 1)[0])
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"storage {run_dir} is not writable: {e}") from None

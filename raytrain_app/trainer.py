@@ -23,7 +23,7 @@ from ray.util.queue import Empty, Queue
 from raytrain_app import storage
 from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
-from raytrain_app.errors import TrainingFailed, UserError
+from raytrain_app.errors import TrainingFailed, UserError, last_line
 from raytrain_app.loop import train_loop_per_worker
 from raytrain_app.plan import RunPlan
 
@@ -194,7 +194,7 @@ def _explain(error: ray.train.TrainingFailedError, config: JobConfig) -> Excepti
     """One clause per failed rank: where it ran and its last error line, not Ray's nested tracebacks."""
     failures = getattr(error, "worker_failures", None) or {}
     if failures and all(isinstance(e, UserError) for e in failures.values()):
-        return UserError(_last_line(next(iter(failures.values()))))
+        return UserError(last_line(next(iter(failures.values()))))
     if not failures:
         return TrainingFailed(_describe(getattr(error, "controller_failure", error)))
     clauses = [f"rank {rank}{_where(e)}: {_describe(e)}" for rank, e in sorted(failures.items())]
@@ -228,10 +228,5 @@ def _describe(e: BaseException) -> str:
     died = re.search(r"Worker exit detail: ([^\n]+?)(?: The (?:process|worker)|$)", str(e), re.MULTILINE)
     if died:
         return f"worker process died: {died.group(1).strip()}"
-    line = _last_line(e)
+    line = last_line(e)
     return line if "\n" in str(e).strip() else f"{type(e).__name__}: {line}"
-
-
-def _last_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__

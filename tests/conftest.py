@@ -1,11 +1,14 @@
 """One real Ray cluster for the whole session, on loopback, reused by every distributed test."""
 
-import os
 import logging
+import os
+import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `train` joins local clusters that `cluster up` registered here: the tests' own, never a user's.
+os.environ["RAYTRAIN_RUNNING_DIR"] = tempfile.mkdtemp(prefix="rt-running-")
 
 
 @pytest.fixture(scope="session")

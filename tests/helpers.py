@@ -94,3 +94,12 @@ class Fault(nn.Module):
 def faulty_mlp(input_shape: tuple, num_classes: int, marker: str, at: int, rank: int = -1,
                fault: str = "crash") -> nn.Module:
     return Fault(mlp(input_shape, num_classes, hidden=[32], dropout=0.2), marker, at, rank, fault)
+
+
+def augmented_digits(eval_fraction: float, split_seed: int):
+    """The real digits at 16x16 with the CIFAR flip-and-crop on the training split."""
+    from raytrain_app.data.parquet import digits
+
+    train, eval_ = digits(eval_fraction, split_seed, resize=16)
+    train.augment = True
+    return train, eval_

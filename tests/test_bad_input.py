@@ -99,6 +99,11 @@ def cases(d):
           "--set", "data.args.resize=64"], "LeNet takes images of 8 to 32 pixels, got 64"),
         ([DIGITS, "--set", "model.name=mlp", "--set", "model.args={input_shape: [10]}"],
          "cannot take the data's inputs"),
+        ([DIGITS, "--set", "data.name=tests.helpers:index_data", "--set", "data.args={}", "--set", "data.on_device=on",
+          "--set", "model.name=mlp", "--set", "train.batch_size=2"], "on_device: on needs an in-memory dataset"),
+        # clusters
+        ([DIGITS, "--address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
+        ([DIGITS, "--address", "no-such-host.invalid:6379"], "cannot reach the Ray cluster"),
         # run directories
         ([DIGITS, "--resume", "--run-dir", str(d / "no-such-run")], "no checkpoint to resume"),
         ([DIGITS, "--run-dir", "/proc/raytrain-run"], "is not writable"),

@@ -95,12 +95,19 @@ def test_train_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(tmp_p
 
 def test_two_workers_match_one_worker_at_the_same_global_batch(table, tmp_path):
     one = run(job(data=table, train={"batch_size": 16}, scaling={"workers": 1}), tmp_path / "one")
-    # DDP with a static graph and gradients as bucket views must not change the numbers.
-    two = run(job(data=table, train={"batch_size": 8, "ddp_static_graph": True}, scaling={"workers": 2}),
-              tmp_path / "two")
+    # DDP with a static graph and gradients as bucket views must not change the numbers, nor must
+    # batches cut from device-resident data (the CPU here) instead of a DataLoader.
+    two = run(job(data={**table, "on_device": "on"}, train={"batch_size": 8, "ddp_static_graph": True},
+                  scaling={"workers": 2}), tmp_path / "two")
     for name, w in final_weights(one).items():
         torch.testing.assert_close(final_weights(two)[name], w, rtol=1e-4, atol=1e-5)
     assert two.history[-1]["train_loss"] == pytest.approx(one.history[-1]["train_loss"], rel=1e-4)
+    # Where the time went: measured data wait, estimated all-reduce (none at one worker), the rest compute.
+    for result, workers in ((one, 1), (two, 2)):
+        row = result.history[-1]
+        assert row["data_wait_frac"] + row["comm_frac"] + row["compute_frac"] == pytest.approx(1.0)
+        assert (row["comm_frac"] > 0) == (workers == 2)
+        assert row["tflops_per_worker"] > 0 and "mfu" not in row  # MFU only against a known GPU's peak
 
 
 def test_gradient_accumulation_matches_a_larger_batch(table, tmp_path):

@@ -19,7 +19,8 @@ import time
 import pytest
 import yaml
 
-from raytrain_app.cluster import cluster_down, cluster_up, node_processes
+from raytrain_app.cluster import cluster_down, cluster_up, node_processes, running_local_cluster
+from raytrain_app.dashboard import Dashboard
 from raytrain_app.profiles import load_profile
 from tests.conftest import REPO, running
 
@@ -54,6 +55,7 @@ def two_nodes(tmp_path_factory):
     started = node_processes(profile)  # gcs, raylets, dashboard, workers, job drivers
     assert len(started) > 10
     cluster_down(profile, echo=lambda line: None)
+    assert running_local_cluster(1, 0) is None  # no longer offered to `train`
     shutil.rmtree(profile.temp_dir, ignore_errors=True)
     assert not [pid for pid in started if running(pid)]  # all of them, and only they, stopped
 
@@ -107,6 +109,22 @@ def test_status_logs_and_stop_on_a_long_job(two_nodes):
     stopped = cli("stop", job_id, "--cluster", profile_file)
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"{job_id}: STOPPED"
     assert "STOPPED" in cli("status", job_id, "--cluster", profile_file).stdout
+
+
+def test_train_reuses_the_running_local_cluster(two_nodes, tmp_path):
+    _, profile = two_nodes
+    run_dir = tmp_path / "run"
+    proc = cli("train", "examples/digits.yaml", "--set", "train.epochs=1", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert f"using the running local cluster '{profile.name}'" in proc.stdout
+    # The cluster's two 1-CPU nodes ran one rank each; an embedded cluster would have been one node.
+    nodes = {re.search(r"on node (\w+)", (run_dir / "logs" / f"rank-{r}.log").read_text()).group(1) for r in (0, 1)}
+    assert len(nodes) == 2
+    assert len(Dashboard.for_profile(profile).alive_nodes()) == 2  # joined, not stopped
+
+    # A job too big for it (3 CPUs, or a GPU) gets an embedded cluster of its own instead.
+    assert running_local_cluster(2, 0).name == profile.name
+    assert running_local_cluster(3, 0) is None and running_local_cluster(1, 1) is None
 
 
 def test_more_gpus_than_the_cluster_has_fails_within_seconds(two_nodes):

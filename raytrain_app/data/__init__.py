@@ -4,6 +4,10 @@ Training uses `DistributedSampler` (shuffled, seeded, `set_epoch` every epoch), 
 partway through an epoch. Evaluation uses
 `EvalShard`, which gives rank r the samples r, r+W, r+2W, ... with no padding, so that summed
 over ranks every eval sample counts exactly once whatever the dataset size.
+
+Batches come either from a DataLoader (host memory, optional worker processes, pinned copies)
+or, for in-memory datasets that fit, straight from the device (`DeviceBatches`): on a GPU a
+small model's step is shorter than the DataLoader's per-batch overhead, so the data moves once.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from raytrain_app import registry
 from raytrain_app.config import DataConfig
-from raytrain_app.data.arrays import ArrayDataset
+from raytrain_app.data.arrays import ArrayDataset, DeviceBatches
 from raytrain_app.data.parquet import digits, parquet
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.data.vision import cifar10, fashion_mnist, mnist
@@ -91,7 +95,48 @@ class EvalShard(Sampler[int]):
         return len(self.indices)
 
 
-def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, pin: bool, seed: int = 0) -> DataLoader:
+# Device-resident data may take this share of the GPU's free memory; the rest is for the model,
+# its activations and the caching allocator.
+DEVICE_MEMORY_SHARE = 0.25
+
+
+def keep_on_device(ds: Datasets, mode: str, device: torch.device) -> bool:
+    """Whether the data lives on the device (`data.on_device`): `on` forces it, `auto` picks it
+    for in-memory datasets on a GPU with room, `off` keeps the DataLoader."""
+    if mode == "off":
+        return False
+    arrays = isinstance(ds.train, ArrayDataset) and isinstance(ds.eval, ArrayDataset)
+    if mode == "on" and not arrays:
+        raise UserError(f"data.on_device: on needs an in-memory dataset (a built-in, or a builder returning "
+                        f"ArrayDataset); this one is {type(ds.train).__name__}")
+    if mode == "on" or not arrays or device.type != "cuda":
+        return mode == "on"
+    free, _ = torch.cuda.mem_get_info(device)
+    return ds.train.nbytes + ds.eval.nbytes <= DEVICE_MEMORY_SHARE * free
+
+
+def to_device(ds: Datasets, device: torch.device) -> Datasets:
+    try:
+        return Datasets(ds.train.to(device), ds.eval.to(device), ds.input_shape, ds.num_classes)
+    except torch.cuda.OutOfMemoryError:
+        raise UserError(f"data.on_device: the dataset ({(ds.train.nbytes + ds.eval.nbytes) / 2**30:.1f} GiB) does "
+                        f"not fit in {device}'s memory; set data.on_device: auto or off") from None
+
+
+def loader_workers(setting, ds: Datasets, cpus_per_worker: float) -> int:
+    """DataLoader processes per training worker; null sizes them to the machine: none for
+    in-memory datasets (a batch is one indexing op), else one per spare CPU, at most 4."""
+    if setting is not None:
+        return setting
+    if isinstance(ds.train, ArrayDataset):
+        return 0
+    return max(0, min(4, int(cpus_per_worker) - 1))
+
+
+def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, pin: bool, seed: int = 0,
+            resident: bool = False):
+    if resident:
+        return DeviceBatches(dataset, sampler, batch_size)
     # Array datasets return a whole collated batch from __getitems__; others use the default collate.
     collate = _as_is if isinstance(dataset, ArrayDataset) else None
     # The loader's own generator: starting an epoch's iterator must not draw from the global RNG,
@@ -105,13 +150,17 @@ def _as_is(batch):
     return batch
 
 
-def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool):
+def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool,
+                 resident: bool = False):
+    """This rank's training batches and their sampler (for `set_epoch` and mid-epoch `skip`);
+    `resident`: `ds` is already on the device (`to_device`) and batches are cut there."""
     sampler = TrainShard(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank), sampler
+    return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank, resident), sampler
 
 
-def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool) -> DataLoader:
-    return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin)
+def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool,
+                resident: bool = False):
+    return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin, 0, resident)
 
 
 def check_labels(ds: Datasets, num_outputs: int) -> None:

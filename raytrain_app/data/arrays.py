@@ -41,17 +41,47 @@ class ArrayDataset(Dataset):
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x.shape[1:])
 
+    @property
+    def nbytes(self) -> int:
+        return self.x.nbytes + self.y.nbytes
+
+    def to(self, device: torch.device) -> "ArrayDataset":
+        """The same samples held on `device`: pixels stay uint8 there (4x less memory than float)."""
+        return ArrayDataset(self.x.to(device), self.y.to(device), self.mean.to(device), self.std.to(device),
+                            self.augment)
+
+
+class DeviceBatches:
+    """Batches cut from a dataset held on the training device: no DataLoader, no host-to-device copy.
+
+    The sampler is the one the DataLoader path uses (`TrainShard` or `EvalShard`), so each rank
+    sees exactly the samples, in exactly the order, that `DistributedSampler` deals it; only the
+    indexing, normalisation and augmentation move onto the device.
+    """
+
+    def __init__(self, dataset: ArrayDataset, sampler, batch_size: int):
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+
+    def __iter__(self):
+        order = torch.as_tensor(list(self.sampler), dtype=torch.long).to(self.dataset.x.device)
+        for start in range(0, len(order), self.batch_size):
+            yield self.dataset.__getitems__(order[start:start + self.batch_size])
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
 
 def flip_and_crop(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
     """The standard CIFAR augmentation on a whole batch: random horizontal flip, random crop after padding."""
     n, _, h, w = x.shape
-    flip = torch.rand(n) < 0.5
+    on = {"device": x.device}  # runs where the batch is: on the GPU for device-resident data
+    flip = torch.rand(n, **on) < 0.5
     x = torch.where(flip[:, None, None, None], x.flip(3), x)
     padded = F.pad(x, (pad, pad, pad, pad)).permute(0, 2, 3, 1)  # N, H, W, C for one gather
-    dy, dx = torch.randint(0, 2 * pad + 1, (2, n))
-    rows = (dy[:, None] + torch.arange(h))[:, :, None]
-    cols = (dx[:, None] + torch.arange(w))[:, None, :]
-    return padded[torch.arange(n)[:, None, None], rows, cols].permute(0, 3, 1, 2)
+    dy, dx = torch.randint(0, 2 * pad + 1, (2, n), **on)
+    rows = (dy[:, None] + torch.arange(h, **on))[:, :, None]
+    cols = (dx[:, None] + torch.arange(w, **on))[:, None, :]
+    return padded[torch.arange(n, **on)[:, None, None], rows, cols].permute(0, 3, 1, 2)
 
 
 def make_pair(

@@ -1,0 +1,94 @@
+"""CPU scaling of raytrain-app on Gloo: 1, 2 and 4 workers at a fixed per-worker batch.
+
+Each run trains the same model on synthetic CIFAR-shaped data sized so that every worker takes
+the same number of steps per epoch (train_size = steps x batch x workers), in fp32, with one CPU
+(and so one torch thread) per worker. All runs share one embedded Ray cluster. For each worker
+count it prints the global samples/s (median over the epochs after the first), the scaling
+efficiency, samples/s / (workers x one worker's samples/s), and where an epoch's time goes,
+from the workers' own metrics: waiting for data, gradient all-reduce (an estimate: an upper
+bound, since it assumes no overlap with the backward pass) and compute. Target: efficiency
+>= 0.85 at 2 and 4 workers.
+
+Workers are processes, one per core: on a machine with fewer cores than workers they share
+cores, and efficiency < 1 there measures oversubscription, not the trainer.
+
+    python benchmarks/scaling.py                                     # LeNet, batch 64, 1, 2, 4 workers
+    python benchmarks/scaling.py --model mlp --json runs/scaling-mlp.json
+    python benchmarks/scaling.py --workers 1,2 --steps 10 --epochs 2   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+
+from raytrain_app.cluster import embedded_cluster
+from raytrain_app.trainer import run_training
+
+# The job, plan and table helpers of benchmarks/throughput.py, beside this file.
+from throughput import median_after_first, print_table, raytrain_job, raytrain_plan
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", default="1,2,4", help="comma list of worker counts; must include 1")
+    p.add_argument("--model", choices=["resnet18", "lenet", "mlp"], default="lenet")
+    p.add_argument("--batch", type=int, default=64, help="per-worker batch")
+    p.add_argument("--steps", type=int, default=100, help="steps per worker per epoch")
+    p.add_argument("--epochs", type=int, default=4, help="epochs; the first is warm-up")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the job config, e.g. train.ddp_bucket_cap_mb=1; repeatable")
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args()
+    counts = sorted({int(w) for w in args.workers.split(",")})
+    if counts[0] != 1:
+        p.error("--workers must include 1: efficiency is relative to one worker")
+    if args.epochs < 2:
+        p.error("--epochs must be at least 2: the first epoch is warm-up")
+    tmp = tempfile.mkdtemp(prefix="scaling-")
+    plans = {w: raytrain_plan(raytrain_job(f"scaling-{w}", args.model, args.batch, args.steps, args.epochs, w,
+                                           "fp32", "off", 0), args.overrides, os.path.join(tmp, f"workers-{w}"))
+             for w in counts}
+
+    histories, walls = {}, {}
+    cpus = max(os.cpu_count() or 1, counts[-1])  # every worker gets its CPU, shared or not
+    with embedded_cluster(num_cpus=cpus, num_gpus=0, log_dir=os.path.join(tmp, "logs")):
+        for w, plan in plans.items():
+            result = run_training(plan, echo=lambda *_: None)
+            histories[w], walls[w] = result.history, result.wall_s
+
+    def median_of(w: int, key: str):
+        """Median of a metric over the epochs after the first; None where the rows do not carry it."""
+        values = [row[key] for row in histories[w] if key in row]
+        return median_after_first(values) if len(values) == len(histories[w]) else None
+
+    rows, results = [], []
+    single = median_of(1, "samples_per_s")
+    for w in counts:
+        rate, epoch_s = median_of(w, "samples_per_s"), median_of(w, "epoch_time_s")
+        split = {k: median_of(w, k) for k in ("data_wait_frac", "comm_frac", "compute_frac")}
+        efficiency = rate / (w * single)
+        rows.append([str(w), f"{rate:,.0f}", f"{rate / w:,.0f}", f"{efficiency:.2f}",
+                     *("-" if v is None else f"{v:.0%}" for v in split.values()), f"{epoch_s:.2f}", f"{walls[w]:.1f}"])
+        results.append({"workers": w, "samples_per_s": rate, "efficiency": efficiency, **split,
+                        "epoch_time_s": epoch_s, "wall_s": walls[w], "history": histories[w]})
+
+    print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, Gloo; {args.model}, batch {args.batch} per worker, fp32, "
+          f"{args.steps} steps per worker x {args.epochs} epochs; run dirs and logs in {tmp}")
+    print_table(["workers", "samples/s", "per worker", "efficiency", "data wait", "comm (est.)", "compute",
+                 "epoch s", "wall s"], rows)
+    if counts[-1] > (os.cpu_count() or 1):
+        print(f"note: {counts[-1]} workers on {os.cpu_count()} cores share cores; efficiency there measures "
+              f"oversubscription, not the trainer")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpus": os.cpu_count(), "torch": torch.__version__, "args": vars(args), "results": results},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The throughput machinery in one process: device-resident batches, loader sizing, FLOPs, MFU,
+the epoch time split and torch.compile."""
+
+import pytest
+import torch
+from torch import nn
+
+from raytrain_app.checkpoint import TrainState
+from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig
+from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
+from raytrain_app.errors import UserError
+from raytrain_app.loop import Precision, _compiled, evaluate, seed_everything, train_epoch
+from raytrain_app.metrics import peak_flops, time_split, train_flops_per_sample
+from raytrain_app.models import build_model
+from raytrain_app.optim import build_optimizer, build_schedule
+
+CPU = torch.device("cpu")
+
+
+def augmented_digits():
+    """Real digits as 3x16x16 images with the CIFAR flip-and-crop: augmentation draws random numbers per batch."""
+    return build_datasets(DataConfig(name="tests.helpers:augmented_digits"))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_device_batches_are_the_dataloaders_batches(rank):
+    data = augmented_digits()
+    resident = to_device(data, CPU)
+    for epoch, skip in ((0, 0), (3, 40)):  # a later epoch, resumed 40 samples in
+        batches = {}
+        for kind, ds, on_device in (("loader", data, False), ("device", resident, True)):
+            loader, sampler = train_loader(ds, 32, rank, 2, 7, 0, False, resident=on_device)
+            sampler.set_epoch(epoch)
+            sampler.skip = skip
+            seed_everything(epoch)  # the same augmentation draws for both
+            batches[kind] = list(loader)
+            assert len(loader) == len(batches[kind])
+        assert len(batches["device"]) == len(batches["loader"]) > 1
+        for (xd, yd), (xl, yl) in zip(batches["device"], batches["loader"]):
+            assert torch.equal(yd, yl)
+            assert torch.equal(xd, xl)
+    ev_device = list(eval_loader(resident, 100, rank, 2, 0, False, resident=True))
+    ev_loader = list(eval_loader(data, 100, rank, 2, 0, False))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ev_device, ev_loader))
+
+
+def test_on_device_choice():
+    data = augmented_digits()
+    assert keep_on_device(data, "on", CPU) is True
+    assert keep_on_device(data, "off", CPU) is False
+    assert keep_on_device(data, "auto", CPU) is False  # auto moves data only onto GPUs
+    per_sample = build_datasets(DataConfig(name="tests.helpers:index_data"))
+    with pytest.raises(UserError, match="on_device: on needs an in-memory dataset"):
+        keep_on_device(per_sample, "on", CPU)
+    assert keep_on_device(per_sample, "auto", CPU) is False
+
+
+def test_loader_workers_are_sized_to_the_machine():
+    arrays, per_sample = augmented_digits(), build_datasets(DataConfig(name="tests.helpers:index_data"))
+    assert loader_workers(None, arrays, 8) == 0  # a batch of an in-memory dataset is one indexing op
+    assert [loader_workers(None, per_sample, c) for c in (1, 3, 16)] == [0, 2, 4]
+    assert loader_workers(3, arrays, 1) == 3  # an explicit setting wins
+
+
+def test_flops_of_an_mlp_match_the_formula():
+    model = build_model(ModelConfig(name="mlp", args={"hidden": [32, 16]}), (1, 8, 8), 10)
+    weights = [(64, 32), (32, 16), (16, 10)]
+    forward = sum(2 * i * o for i, o in weights)
+    # Backward: each layer's weight gradient, and the gradient of its input except for the first layer's.
+    backward = sum(2 * i * o for i, o in weights) + sum(2 * i * o for i, o in weights[1:])
+    assert train_flops_per_sample(model, (1, 8, 8)) == forward + backward
+    before = [p.clone() for p in model.parameters()]
+    assert all(p.grad is None for p in model.parameters())  # counted on a meta copy: nothing touched
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_peak_flops_and_time_split():
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5e12
+    assert peak_flops("Some Future GPU", "bf16") is None
+    split = time_split(epoch_s=10.0, data_wait_s=1.0, syncs=100, sync_s=0.02)
+    assert split == pytest.approx({"data_wait_frac": 0.1, "comm_frac": 0.2, "compute_frac": 0.7})
+    # The estimate is an upper bound on exposed communication: never more than what is left.
+    assert time_split(10.0, 4.0, 1000, 0.02)["comm_frac"] == pytest.approx(0.6)
+
+
+def test_cuda_graph_modes_fall_back_under_ddp():
+    notices = []
+    model = nn.Linear(4, 2)
+    _, graphs = _compiled(model, "reduce-overhead", 1, torch.device("cuda"), notices.append)
+    assert graphs and not notices  # world size 1: the whole step can be one CUDA graph
+    _, graphs = _compiled(model, "reduce-overhead", 2, torch.device("cuda"), notices.append)
+    assert not graphs and "cannot capture DDP's all-reduce" in notices[0]
+    assert _compiled(model, "off", 4, CPU, notices.append) == (model, False)
+
+
+def test_compiled_model_trains_like_the_eager_one():
+    data = build_datasets(DataConfig(name="digits"))
+    loader, _ = train_loader(data, 64, 0, 1, 0, 0, False)
+    batches = [b for b, _ in zip(loader, range(5))]
+    results = []
+    for mode in ("off", "default"):
+        seed_everything(0)
+        model = build_model(ModelConfig(name="mlp", args={"hidden": [32]}), data.input_shape, 10)
+        train_model, _ = _compiled(model, mode, 1, CPU, print)
+        opt = build_optimizer(model.parameters(), OptimizerConfig(lr=0.05), world_size=1)
+        state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 5, 1), None)
+        train_epoch(train_model, batches, state, Precision("fp32", CPU), 1, None, CPU)
+        results.append((evaluate(model, batches, Precision("fp32", CPU), CPU).loss, list(model.parameters())))
+    (eager_loss, eager), (compiled_loss, compiled) = results
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-4)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
