@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -63,7 +64,7 @@ def main() -> None:
         m = statistics.median(ts)
         print(f"  {name:<26} median {m:6.1f}s  ({', '.join(f'{t:.1f}' for t in ts)})  {m / base:4.1f}x torchrun")
     for label, prefix in (("fresh cluster", "run"), ("cluster up", "reuse")):
-        phases = [json.load(open(f"{tmp}/{prefix}{r}/startup.json")) for r in range(args.rounds)]
+        phases = [json.loads(Path(f"{tmp}/{prefix}{r}/startup.json").read_text()) for r in range(args.rounds)]
         print(f"  raytrain-app start-up ({label}), median s: " + ", ".join(
             f"{k} {statistics.median(p[k] for p in phases):.1f}" for k in phases[0]))
 

@@ -60,7 +60,7 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, add
 
         s = plan.config.scaling
         need_cpus = s.workers * s.cpus_per_worker
-        running = running_local_cluster(need_cpus, s.workers * s.gpus_per_worker) if address is None else None
+        running = running_local_cluster(s.workers, s.cpus_per_worker, s.gpus_per_worker) if address is None else None
         if running:
             click.echo(f"using the running local cluster '{running.name}' (--address local starts a fresh one)")
             cluster = connected(f"127.0.0.1:{running.local.port}", plan.log_dir, verbose, running.token())

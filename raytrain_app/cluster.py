@@ -28,9 +28,6 @@ from raytrain_app.errors import UserError, last_line
 from raytrain_app.profiles import ClusterProfile
 
 NODES_FILE = "raytrain-nodes.json"
-# Which local clusters `cluster up` has started, so that `train` can reuse one instead of paying
-# for a new embedded cluster: one file per profile name, holding the profile's path.
-RUNNING_DIR = os.environ.get("RAYTRAIN_RUNNING_DIR") or f"/tmp/raytrain-{os.getuid()}/running"
 START_TIMEOUT_S = 90
 CONNECT_TIMEOUT_S = 5
 STOP_TIMEOUT_S = 5
@@ -87,7 +84,7 @@ def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False
                         f"{e.strerror or e if isinstance(e, OSError) else 'bad address'}") from None
     if token:
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-        ray._raylet.Config.initialize("")  # Ray read its auth mode at import; re-read it, as Ray itself does
+        ray._raylet.Config.initialize("")  # Ray read its auth mode at import: re-read it, as Ray's own token setup does
     route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
     try:
         ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
@@ -99,18 +96,31 @@ def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False
         ray.shutdown()
 
 
-def running_local_cluster(cpus: float, gpus: float) -> Optional[ClusterProfile]:
-    """A local cluster that `cluster up` started, that is still up and that has `cpus` and `gpus`
-    in all: `train` joins it rather than start its own (saving the cluster's start-up)."""
+def running_dir() -> Path:
+    """Where `cluster up` records the local clusters it started, one file per profile name holding
+    the profile's path, so that `train` can join one instead of starting its own."""
+    return Path(os.environ.get("RAYTRAIN_RUNNING_DIR") or f"/tmp/raytrain-{os.getuid()}/running")
+
+
+def running_local_cluster(workers: int, cpus_per_worker: float, gpus_per_worker: float) -> Optional[ClusterProfile]:
+    """A local cluster that `cluster up` started, still up, running no Ray job, and whose nodes
+    hold `workers` whole workers: `train` joins it rather than start its own."""
     from raytrain_app.profiles import load_profile
 
-    for record in sorted(Path(RUNNING_DIR).glob("*.json")):
-        with suppress(OSError, ValueError, KeyError, UserError):  # a stale or unreadable record: skip it
+    for record in sorted(running_dir().glob("*.json")):
+        with suppress(OSError, ValueError, KeyError, UserError):  # stale, unreadable or unreachable: skip it
             profile = load_profile(json.loads(record.read_text())["profile"])
-            if (_running_pids(profile) and profile.nodes * profile.cpus_per_node >= cpus
-                    and profile.nodes * profile.gpus_per_node >= gpus and reachable(profile.jobs_address, profile.auth_headers())):
+            if _running_pids(profile) and _has_room(Dashboard.for_profile(profile), workers, cpus_per_worker,
+                                                    gpus_per_worker):
                 return profile
     return None
+
+
+def _has_room(dashboard: Dashboard, workers: int, cpus_per_worker: float, gpus_per_worker: float) -> bool:
+    fits = [min(n.cpus // cpus_per_worker, n.gpus // gpus_per_worker if gpus_per_worker else workers)
+            for n in dashboard.alive_nodes()]
+    busy = any(job.status in ("PENDING", "RUNNING") for job in dashboard.jobs().list_jobs())
+    return sum(fits) >= workers and not busy
 
 
 # ---- clusters for profiles ----------------------------------------------------------------
@@ -139,7 +149,7 @@ def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
     except BaseException:
         stop_nodes(profile, pids)
         raise
-    running = Path(RUNNING_DIR)
+    running = running_dir()
     running.mkdir(parents=True, exist_ok=True)
     (running / f"{profile.name}.json").write_text(json.dumps({"profile": os.path.abspath(profile.source)}))
     echo(f"cluster '{profile.name}' is up: {profile.nodes} nodes, Jobs API at {profile.jobs_address}")
@@ -174,7 +184,7 @@ def stop_nodes(profile: ClusterProfile, pids: list[int]) -> int:
     while _node_processes(leaders) | (targets & _live_pids()):
         time.sleep(0.1)
     (Path(profile.temp_dir) / NODES_FILE).unlink(missing_ok=True)
-    (Path(RUNNING_DIR) / f"{profile.name}.json").unlink(missing_ok=True)
+    (running_dir() / f"{profile.name}.json").unlink(missing_ok=True)
     return len(leaders)
 
 

@@ -41,7 +41,7 @@ class DataConfig:
     # sized to the machine, none for in-memory datasets).
     loader_workers: Optional[int] = None
     # Hold an in-memory dataset on the training device (uint8, normalised and augmented there);
-    # auto: on GPUs when it fits in a quarter of the free memory.
+    # auto: on GPUs when it fits in a quarter of the GPU's memory.
     on_device: Literal["auto", "on", "off"] = "auto"
 
 

@@ -70,7 +70,6 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
     seed_everything(job.seed)
     data = build_datasets(job.data)
     model = build_model(job.model, data.input_shape, data.num_classes)
-    flops_per_sample = train_flops_per_sample(model, data.input_shape)  # before SyncBatchNorm, DDP, compile
     if tc.sync_batchnorm and world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # channels_last lets cuDNN pick its fastest convolution kernels; it matters only for conv nets.
@@ -82,7 +81,7 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=tc.ddp_bucket_cap_mb, gradient_as_bucket_view=True,
                     static_graph=tc.ddp_static_graph) if world_size > 1 else model
-    train_model, cuda_graphs = _compiled(ddp_model, tc.compile, world_size, device,
+    train_model, cuda_graphs = _compiled(ddp_model, tc.compile, world_size, tc.grad_accum_steps, device,
                                          lambda message: _notice(events, rank, log, message))
 
     # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.
@@ -98,9 +97,10 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
              workers, tc.compile, " with CUDA graphs" if cuda_graphs else "")
 
     # Where epoch time goes: one unoverlapped all-reduce of the gradients, timed once, bounds
-    # each step's communication; FLOPs against the GPU's peak give the MFU.
+    # each step's communication; on GPUs, FLOPs against the GPU's peak give the MFU.
     sync_s = allreduce_seconds(sum(p.numel() for p in model.parameters() if p.requires_grad), device)
     peak = peak_flops(torch.cuda.get_device_name(device), tc.precision) if device.type == "cuda" else None
+    flops_per_sample = None
 
     optimizer = build_optimizer(model.parameters(), job.optimizer, world_size)
     precision = Precision(tc.precision, device)
@@ -136,7 +136,7 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
         sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming mid-epoch
         on_batch = _progress_reporter(events, epoch, state.batch + len(train_dl)) if progress and rank == 0 else None
         t0 = time.perf_counter() - state.train_time
-        first_step = state.step
+        first_step = state.step - state.batch // tc.grad_accum_steps  # this epoch's, also when resumed inside it
         train_totals = train_epoch(train_model, train_dl, state, precision, tc.grad_accum_steps, tc.grad_clip,
                                    device, on_batch, after_step, state.totals, memory_format, cuda_graphs)
         if device.type == "cuda":
@@ -162,6 +162,8 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
             "world_size": world_size,
             "lr": optimizer.param_groups[0]["lr"],
         }
+        if device.type == "cuda" and flops_per_sample is None:  # counted once, off the start-up path
+            flops_per_sample = train_flops_per_sample(model, data.input_shape) or 0.0
         if flops_per_sample:
             achieved = flops_per_sample * metrics["samples_per_s_per_worker"]
             metrics["tflops_per_worker"] = achieved / 1e12
@@ -249,19 +251,22 @@ def evaluate(model: nn.Module, loader, precision: "Precision", device: torch.dev
     return totals
 
 
-def _compiled(model: nn.Module, mode: str, world_size: int, device: torch.device, warn) -> tuple[nn.Module, bool]:
+def _compiled(model: nn.Module, mode: str, world_size: int, accum_steps: int, device: torch.device,
+              warn: Callable[[str], None]) -> tuple[nn.Module, bool]:
     """`train.compile`, and whether the result replays CUDA graphs.
 
     CUDA graphs (reduce-overhead, max-autotune) remove the launch overhead that bounds small
-    models on GPUs, but a graph cannot hold DDP's all-reduce hooks: with DDP the graph-free
-    variant of the mode is used, and torch.compile splits the graph at DDP's buckets instead.
+    models on GPUs, but a graph cannot hold DDP's all-reduce hooks, and gradients accumulated
+    across micro-batches would live in graph memory that the next replay overwrites. In those
+    cases the graph-free variant of the mode is used (under DDP, torch.compile splits the graph
+    at DDP's buckets instead).
     """
     if mode == "off":
         return model, False
     graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
-    if graphs and world_size > 1:
-        warn(f"train.compile: {mode} uses CUDA graphs, which cannot capture DDP's all-reduce; "
-             f"compiling without them at {world_size} workers")
+    why = "DDP's all-reduce" if world_size > 1 else "gradient accumulation" if accum_steps > 1 else None
+    if graphs and why:
+        warn(f"train.compile: {mode} uses CUDA graphs, which cannot capture {why}; compiling without them")
         mode, graphs = ("default" if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"), False
     return torch.compile(model, mode=None if mode == "default" else mode), graphs
 

@@ -8,12 +8,14 @@ all samples seen by all ranks, which is what a single process over the same data
 from __future__ import annotations
 
 import copy
+import re
 import statistics
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 class Totals:
@@ -70,12 +72,19 @@ def global_max(value: float, device: torch.device) -> float:
 
 def train_flops_per_sample(model: torch.nn.Module, input_shape: tuple[int, ...]) -> Optional[float]:
     """FLOPs of one training sample (forward + backward), counted by PyTorch's FlopCounterMode on
-    a copy of the model on the meta device: no compute, no side effects on weights or BatchNorm
-    statistics. None when the model has operations the counter cannot follow."""
+    a copy of the model on the meta device: no compute, no device memory, no side effects on
+    weights or BatchNorm statistics. None when the model has operations the counter cannot
+    follow. The first call imports torch._dynamo (about a second), so the loop calls it only on
+    GPUs, after the first epoch."""
     from torch.utils.flop_counter import FlopCounterMode
 
     try:
-        meta = copy.deepcopy(model).to("meta")
+        # Parameters and buffers become meta tensors as the copy is made (the memo), never copied.
+        memo = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta")
+                for t in (*model.parameters(), *model.buffers())}
+        # eval mode: the same matmuls and convolutions, without what a model does only while training
+        meta = copy.deepcopy(model, memo).eval()
         x = torch.zeros((2, *input_shape), device="meta")
         with FlopCounterMode(display=False) as counter:
             meta(x).float().sum().backward()
@@ -84,26 +93,28 @@ def train_flops_per_sample(model: torch.nn.Module, input_shape: tuple[int, ...])
         return None
 
 
-# Dense tensor-core peaks per GPU (FLOP/s) from NVIDIA's data sheets: (bf16/fp16, fp32 without TF32).
-# Matched against torch.cuda.get_device_name(); the first matching name wins.
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) from NVIDIA's data sheets, matched as whole words
+# against torch.cuda.get_device_name(); the first match wins. There is no fp32 figure on purpose:
+# cuDNN runs fp32 convolutions as TF32, so no single fp32 peak is the right denominator.
 PEAK_FLOPS = [
-    ("H100 PCIe", 756e12, 51e12),
-    ("H100 NVL", 835e12, 60e12),
-    ("H100", 989e12, 67e12),
-    ("H200", 989e12, 67e12),
-    ("GH200", 989e12, 67e12),
-    ("B200", 2250e12, 80e12),
-    ("A100", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-    ("L4", 121e12, 30.3e12),
-    ("A10", 125e12, 31.2e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
 ]
 
 
 def peak_flops(device_name: str, precision: str) -> Optional[float]:
-    for name, half, single in PEAK_FLOPS:
-        if name in device_name:
-            return single if precision == "fp32" else half
+    if precision not in ("bf16", "fp16"):
+        return None
+    for name, peak in PEAK_FLOPS:
+        if re.search(rf"\b{name}\b", device_name):
+            return peak
     return None
 
 

@@ -58,8 +58,8 @@ def read_text(path: str) -> str:
 def check_writable(run_dir: str) -> None:
     """Write and delete a marker: a read-only or full volume is reported before any work starts."""
     marker = join(run_dir, ".write-test")
-    existed = exists(run_dir)
     try:
+        existed = exists(run_dir)
         write_text(marker, "ok")
         fs, path = filesystem_for(marker)
         fs.delete_file(path)

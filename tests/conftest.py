@@ -2,13 +2,16 @@
 
 import logging
 import os
-import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# `train` joins local clusters that `cluster up` registered here: the tests' own, never a user's.
-os.environ["RAYTRAIN_RUNNING_DIR"] = tempfile.mkdtemp(prefix="rt-running-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def running_clusters(tmp_path_factory):
+    """`train` joins local clusters that `cluster up` recorded here: the tests' own, never a user's."""
+    os.environ["RAYTRAIN_RUNNING_DIR"] = str(tmp_path_factory.mktemp("running"))
 
 
 @pytest.fixture(scope="session")

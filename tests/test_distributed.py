@@ -107,7 +107,7 @@ def test_two_workers_match_one_worker_at_the_same_global_batch(table, tmp_path):
         row = result.history[-1]
         assert row["data_wait_frac"] + row["comm_frac"] + row["compute_frac"] == pytest.approx(1.0)
         assert (row["comm_frac"] > 0) == (workers == 2)
-        assert row["tflops_per_worker"] > 0 and "mfu" not in row  # MFU only against a known GPU's peak
+        assert "tflops_per_worker" not in row and "mfu" not in row  # FLOPs are counted for GPUs' MFU only
 
 
 def test_gradient_accumulation_matches_a_larger_batch(table, tmp_path):

@@ -55,7 +55,7 @@ def two_nodes(tmp_path_factory):
     started = node_processes(profile)  # gcs, raylets, dashboard, workers, job drivers
     assert len(started) > 10
     cluster_down(profile, echo=lambda line: None)
-    assert running_local_cluster(1, 0) is None  # no longer offered to `train`
+    assert running_local_cluster(1, 1, 0) is None  # no longer offered to `train`
     shutil.rmtree(profile.temp_dir, ignore_errors=True)
     assert not [pid for pid in started if running(pid)]  # all of them, and only they, stopped
 
@@ -122,9 +122,10 @@ def test_train_reuses_the_running_local_cluster(two_nodes, tmp_path):
     assert len(nodes) == 2
     assert len(Dashboard.for_profile(profile).alive_nodes()) == 2  # joined, not stopped
 
-    # A job too big for it (3 CPUs, or a GPU) gets an embedded cluster of its own instead.
-    assert running_local_cluster(2, 0).name == profile.name
-    assert running_local_cluster(3, 0) is None and running_local_cluster(1, 1) is None
+    # A job its 1-CPU nodes cannot hold (3 workers, a 2-CPU worker, a GPU) gets an embedded cluster instead.
+    assert running_local_cluster(2, 1, 0).name == profile.name
+    for workers, cpus, gpus in ((3, 1, 0), (1, 2, 0), (1, 1, 1)):
+        assert running_local_cluster(workers, cpus, gpus) is None
 
 
 def test_more_gpus_than_the_cluster_has_fails_within_seconds(two_nodes):

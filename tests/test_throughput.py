@@ -64,10 +64,11 @@ def test_loader_workers_are_sized_to_the_machine():
 
 def test_flops_of_an_mlp_match_the_formula():
     model = build_model(ModelConfig(name="mlp", args={"hidden": [32, 16]}), (1, 8, 8), 10)
+    model[1].weight.requires_grad_(False)  # a frozen layer still costs its forward and input gradient
     weights = [(64, 32), (32, 16), (16, 10)]
     forward = sum(2 * i * o for i, o in weights)
     # Backward: each layer's weight gradient, and the gradient of its input except for the first layer's.
-    backward = sum(2 * i * o for i, o in weights) + sum(2 * i * o for i, o in weights[1:])
+    backward = sum(2 * i * o for i, o in weights[1:]) + sum(2 * i * o for i, o in weights[1:])
     assert train_flops_per_sample(model, (1, 8, 8)) == forward + backward
     before = [p.clone() for p in model.parameters()]
     assert all(p.grad is None for p in model.parameters())  # counted on a meta copy: nothing touched
@@ -76,23 +77,30 @@ def test_flops_of_an_mlp_match_the_formula():
 
 def test_peak_flops_and_time_split():
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
-    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
-    assert peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5e12
-    assert peak_flops("Some Future GPU", "bf16") is None
+    assert peak_flops("NVIDIA H100 PCIe", "fp16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-40GB", "bf16") == 312e12
+    assert peak_flops("NVIDIA L40S", "bf16") == 362e12
+    # Whole names only, and no fp32 figure: cuDNN runs fp32 convolutions as TF32 anyway.
+    for name, precision in (("NVIDIA L40", "bf16"), ("NVIDIA RTX A1000", "bf16"), ("NVIDIA H100 80GB HBM3", "fp32"),
+                            ("Some Future GPU", "bf16")):
+        assert peak_flops(name, precision) is None
     split = time_split(epoch_s=10.0, data_wait_s=1.0, syncs=100, sync_s=0.02)
     assert split == pytest.approx({"data_wait_frac": 0.1, "comm_frac": 0.2, "compute_frac": 0.7})
     # The estimate is an upper bound on exposed communication: never more than what is left.
     assert time_split(10.0, 4.0, 1000, 0.02)["comm_frac"] == pytest.approx(0.6)
 
 
-def test_cuda_graph_modes_fall_back_under_ddp():
+def test_cuda_graph_modes_fall_back_under_ddp_and_accumulation():
     notices = []
     model = nn.Linear(4, 2)
-    _, graphs = _compiled(model, "reduce-overhead", 1, torch.device("cuda"), notices.append)
+    cuda = torch.device("cuda")
+    _, graphs = _compiled(model, "reduce-overhead", 1, 1, cuda, notices.append)
     assert graphs and not notices  # world size 1: the whole step can be one CUDA graph
-    _, graphs = _compiled(model, "reduce-overhead", 2, torch.device("cuda"), notices.append)
-    assert not graphs and "cannot capture DDP's all-reduce" in notices[0]
-    assert _compiled(model, "off", 4, CPU, notices.append) == (model, False)
+    _, graphs = _compiled(model, "reduce-overhead", 2, 1, cuda, notices.append)
+    assert not graphs and "cannot capture DDP's all-reduce" in notices[-1]
+    _, graphs = _compiled(model, "max-autotune", 1, 4, cuda, notices.append)
+    assert not graphs and "cannot capture gradient accumulation" in notices[-1]
+    assert _compiled(model, "off", 4, 1, CPU, notices.append) == (model, False)
 
 
 def test_compiled_model_trains_like_the_eager_one():
@@ -103,7 +111,7 @@ def test_compiled_model_trains_like_the_eager_one():
     for mode in ("off", "default"):
         seed_everything(0)
         model = build_model(ModelConfig(name="mlp", args={"hidden": [32]}), data.input_shape, 10)
-        train_model, _ = _compiled(model, mode, 1, CPU, print)
+        train_model, _ = _compiled(model, mode, 1, 1, CPU, print)
         opt = build_optimizer(model.parameters(), OptimizerConfig(lr=0.05), world_size=1)
         state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 5, 1), None)
         train_epoch(train_model, batches, state, Precision("fp32", CPU), 1, None, CPU)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -95,14 +96,15 @@ class EvalShard(Sampler[int]):
         return len(self.indices)
 
 
-# Device-resident data may take this share of the GPU's free memory; the rest is for the model,
-# its activations and the caching allocator.
+# Device-resident data may take this share of the GPU's memory; the rest is for the model, its
+# activations and the caching allocator. Measured against the total, not what is free now, so
+# that every rank, and a resumed run, makes the same choice.
 DEVICE_MEMORY_SHARE = 0.25
 
 
 def keep_on_device(ds: Datasets, mode: str, device: torch.device) -> bool:
     """Whether the data lives on the device (`data.on_device`): `on` forces it, `auto` picks it
-    for in-memory datasets on a GPU with room, `off` keeps the DataLoader."""
+    for in-memory datasets that fit on a GPU, `off` keeps the DataLoader."""
     if mode == "off":
         return False
     arrays = isinstance(ds.train, ArrayDataset) and isinstance(ds.eval, ArrayDataset)
@@ -111,11 +113,12 @@ def keep_on_device(ds: Datasets, mode: str, device: torch.device) -> bool:
                         f"ArrayDataset); this one is {type(ds.train).__name__}")
     if mode == "on" or not arrays or device.type != "cuda":
         return mode == "on"
-    free, _ = torch.cuda.mem_get_info(device)
-    return ds.train.nbytes + ds.eval.nbytes <= DEVICE_MEMORY_SHARE * free
+    total = torch.cuda.get_device_properties(device).total_memory
+    return ds.train.nbytes + ds.eval.nbytes <= DEVICE_MEMORY_SHARE * total
 
 
 def to_device(ds: Datasets, device: torch.device) -> Datasets:
+    """Both splits on `device`, or a one-line error when they do not fit (only `on` can ask for that)."""
     try:
         return Datasets(ds.train.to(device), ds.eval.to(device), ds.input_shape, ds.num_classes)
     except torch.cuda.OutOfMemoryError:
@@ -123,7 +126,7 @@ def to_device(ds: Datasets, device: torch.device) -> Datasets:
                         f"not fit in {device}'s memory; set data.on_device: auto or off") from None
 
 
-def loader_workers(setting, ds: Datasets, cpus_per_worker: float) -> int:
+def loader_workers(setting: Optional[int], ds: Datasets, cpus_per_worker: float) -> int:
     """DataLoader processes per training worker; null sizes them to the machine: none for
     in-memory datasets (a batch is one indexing op), else one per spare CPU, at most 4."""
     if setting is not None:

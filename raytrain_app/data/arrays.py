@@ -8,6 +8,7 @@ normalised with statistics of the training split.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -47,8 +48,9 @@ class ArrayDataset(Dataset):
 
     def to(self, device: torch.device) -> "ArrayDataset":
         """The same samples held on `device`: pixels stay uint8 there (4x less memory than float)."""
-        return ArrayDataset(self.x.to(device), self.y.to(device), self.mean.to(device), self.std.to(device),
-                            self.augment)
+        moved = copy.copy(self)  # a subclass keeps its own batching
+        moved.x, moved.y, moved.mean, moved.std = (t.to(device) for t in (self.x, self.y, self.mean, self.std))
+        return moved
 
 
 class DeviceBatches:
