@@ -7,7 +7,9 @@ count it prints the global samples/s (median over the epochs after the first), t
 efficiency, samples/s / (workers x one worker's samples/s), and where an epoch's time goes,
 from the workers' own metrics: waiting for data, gradient all-reduce (an estimate: an upper
 bound, since it assumes no overlap with the backward pass) and compute. Target: efficiency
->= 0.85 at 2 and 4 workers.
+>= 0.85 at 2 and 4 workers. Beside it, the same work as a hand-written DDP loop under
+`torchrun --standalone` (`plain_ddp_scaling.py`) gives the efficiency this machine allows
+without Ray.
 
 Workers are processes, one per core: on a machine with fewer cores than workers they share
 cores, and efficiency < 1 there measures oversubscription, not the trainer.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import torch
@@ -66,20 +70,25 @@ def main() -> None:
         values = [row[key] for row in histories[w] if key in row]
         return median_after_first(values) if len(values) == len(histories[w]) else None
 
+    plain = {w: median_after_first(plain_ddp(w, args)) for w in counts}
     rows, results = [], []
     single = median_of(1, "samples_per_s")
     for w in counts:
         rate, epoch_s = median_of(w, "samples_per_s"), median_of(w, "epoch_time_s")
         split = {k: median_of(w, k) for k in ("data_wait_frac", "comm_frac", "compute_frac")}
         efficiency = rate / (w * single)
-        rows.append([str(w), f"{rate:,.0f}", f"{rate / w:,.0f}", f"{efficiency:.2f}",
+        rows.append([str(w), f"{rate:,.0f}", f"{rate / w:,.0f}", f"{efficiency:.2f}", f"{plain[w] / (w * plain[1]):.2f}",
+                     f"{rate / plain[w]:.2f}x",
                      *("-" if v is None else f"{v:.0%}" for v in split.values()), f"{epoch_s:.2f}", f"{walls[w]:.1f}"])
-        results.append({"workers": w, "samples_per_s": rate, "efficiency": efficiency, **split,
+        results.append({"workers": w, "samples_per_s": rate, "efficiency": efficiency,
+                        "plain_ddp_samples_per_s": plain[w], **split,
                         "epoch_time_s": epoch_s, "wall_s": walls[w], "history": histories[w]})
 
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, Gloo; {args.model}, batch {args.batch} per worker, fp32, "
           f"{args.steps} steps per worker x {args.epochs} epochs; run dirs and logs in {tmp}")
-    print_table(["workers", "samples/s", "per worker", "efficiency", "data wait", "comm (est.)", "compute",
+    print_table(["workers", "samples/s", "per worker", "efficiency", "torchrun DDP efficiency", "vs torchrun DDP",
+                 "data wait",
+                 "comm (est.)", "compute",
                  "epoch s", "wall s"], rows)
     if counts[-1] > (os.cpu_count() or 1):
         print(f"note: {counts[-1]} workers on {os.cpu_count()} cores share cores; efficiency there measures "
@@ -88,6 +97,16 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"cpus": os.cpu_count(), "torch": torch.__version__, "args": vars(args), "results": results},
                       f, indent=1)
+
+
+def plain_ddp(workers: int, args) -> list[float]:
+    """Per-epoch global samples/s of the hand-written DDP loop on `workers` torchrun processes."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node",
+           str(workers), os.path.join(here, "plain_ddp_scaling.py"), "--model", args.model, "--batch", str(args.batch),
+           "--steps", str(args.steps), "--epochs", str(args.epochs)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"]
 
 
 if __name__ == "__main__":
