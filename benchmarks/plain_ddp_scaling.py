@@ -2,24 +2,22 @@
 
     torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp_scaling.py --batch 64 --steps 100
 
-Each rank trains the model on its own synthetic CIFAR-shaped uint8 data (steps x batch
-samples), normalised per batch, with one torch thread, in fp32, wrapped in DDP over Gloo. Rank 0
-prints one JSON line: the global samples/s of each epoch (all ranks' samples over the slowest
-rank's epoch time), the same definition raytrain-app's metrics use.
+Each rank runs `throughput.py`'s hand-written loop (its own synthetic CIFAR-shaped uint8 data,
+steps x batch samples, normalised per batch, fp32) with the model wrapped in DDP over Gloo and
+one torch thread. Rank 0 prints one JSON line: the global samples/s of each epoch (all ranks'
+samples over the slowest rank's epoch), the same definition raytrain-app's metrics use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from throughput import make_data, make_model
+from throughput import hand_loop
 
 
 def main() -> None:
@@ -32,23 +30,11 @@ def main() -> None:
     torch.set_num_threads(1)  # as Ray gives a 1-CPU worker
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    x, y, mean, std = make_data(args.steps * args.batch)
-    model, _ = make_model(args.model, torch.device("cpu"))
-    ddp = DDP(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rates = []
-    for _ in range(args.epochs):
-        perm = torch.randperm(len(y))
-        start = time.perf_counter()
-        for i in range(args.steps):
-            idx = perm[i * args.batch:(i + 1) * args.batch]
-            loss = F.cross_entropy(ddp(x[idx].float().sub_(mean).div_(std)), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        slowest = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        rates.append(world * args.steps * args.batch / float(slowest))
+    for rate in hand_loop(args.model, args.batch, args.steps, args.epochs, torch.device("cpu"), "fp32", wrap=DDP):
+        slowest = torch.tensor([rate])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)  # the slowest rank's rate sets the global one
+        rates.append(world * float(slowest))
     if dist.get_rank() == 0:
         print(json.dumps({"samples_per_s": rates}))
     dist.destroy_process_group()

@@ -96,17 +96,19 @@ def timed_epoch(device: torch.device, samples: int, epoch) -> float:
 
 
 def hand_loop(model_name: str, batch: int, steps: int, epochs: int, device: torch.device, precision: str,
-              cuda_graphs: bool = False):
+              cuda_graphs: bool = False, wrap=lambda model: model):
     """The least a PyTorch loop can do for this work; yields samples/s after each epoch.
 
     The data moves to the device once, as uint8, so a batch costs an index, a cast and a
     normalisation there: no DataLoader, no host-to-device copy. With `cuda_graphs` the model runs
     as replayed CUDA graphs, which removes the per-kernel launch cost that bounds small models.
+    `wrap` puts the model in a wrapper first, e.g. DDP for `plain_ddp_scaling.py`.
     """
     x, y, mean, std = make_data(steps * batch)
     x, y = x.to(device), y.to(device)
     model, fmt = make_model(model_name, device)
-    step_model = torch.compile(model, mode="reduce-overhead") if cuda_graphs else model
+    step_model = wrap(model)
+    step_model = torch.compile(step_model, mode="reduce-overhead") if cuda_graphs else step_model
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     dtype = torch.bfloat16 if precision == "bf16" else None
 

@@ -59,7 +59,6 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, add
         from raytrain_app.trainer import run_training
 
         s = plan.config.scaling
-        need_cpus = s.workers * s.cpus_per_worker
         running = running_local_cluster(s.workers, s.cpus_per_worker, s.gpus_per_worker) if address is None else None
         if running:
             click.echo(f"using the running local cluster '{running.name}' (--address local starts a fresh one)")
@@ -67,7 +66,7 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, add
         elif address and address != "local":
             cluster = connected(address, plan.log_dir, verbose)
         else:
-            cluster = embedded_cluster(num_cpus=max(os.cpu_count() or 1, int(need_cpus + 0.999)),
+            cluster = embedded_cluster(num_cpus=max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999)),
                                        log_dir=plan.log_dir, verbose=verbose)
         with cluster:
             marks["cluster"] = time.time()

@@ -70,7 +70,7 @@ def global_max(value: float, device: torch.device) -> float:
 # ---- where an epoch's time goes -------------------------------------------------------------
 
 
-def train_flops_per_sample(model: torch.nn.Module, input_shape: tuple[int, ...]) -> Optional[float]:
+def train_flops_per_sample(model: nn.Module, input_shape: tuple[int, ...]) -> Optional[float]:
     """FLOPs of one training sample (forward + backward), counted by PyTorch's FlopCounterMode on
     a copy of the model on the meta device: no compute, no device memory, no side effects on
     weights or BatchNorm statistics. None when the model has operations the counter cannot

@@ -1,6 +1,7 @@
 """Malformed input, through the real command: each is one line naming the problem, a non-zero exit
 within seconds, no traceback, and nothing started or left behind."""
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -170,7 +171,5 @@ def test_fuzzed_configs_raise_only_config_errors(tmp_path, doc, sets):
 def test_fuzzed_yaml_text_raises_only_config_errors(tmp_path, text):
     path = tmp_path / "fuzz.yaml"
     path.write_text(text)
-    try:
+    with contextlib.suppress(ConfigError):  # anything else fails the test
         load_config(path)
-    except ConfigError:
-        pass

@@ -111,8 +111,10 @@ def keep_on_device(ds: Datasets, mode: str, device: torch.device) -> bool:
     if mode == "on" and not arrays:
         raise UserError(f"data.on_device: on needs an in-memory dataset (a built-in, or a builder returning "
                         f"ArrayDataset); this one is {type(ds.train).__name__}")
-    if mode == "on" or not arrays or device.type != "cuda":
-        return mode == "on"
+    if mode == "on":
+        return True
+    if not arrays or device.type != "cuda":
+        return False
     total = torch.cuda.get_device_properties(device).total_memory
     return ds.train.nbytes + ds.eval.nbytes <= DEVICE_MEMORY_SHARE * total
 
