@@ -156,6 +156,11 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.grad_accum_steps", lambda c: c.train.grad_accum_steps >= 1, ">= 1"),
     ("train.grad_clip", lambda c: c.train.grad_clip is None or c.train.grad_clip > 0, "> 0 or null"),
     ("train.ddp_bucket_cap_mb", lambda c: c.train.ddp_bucket_cap_mb > 0, "> 0"),
+    # torch.compile splits a DDP model's graph at DDP's buckets, the first of them 1 MiB, and
+    # refuses smaller buckets with an AssertionError deep in the first step.
+    ("train.ddp_bucket_cap_mb",
+     lambda c: c.train.compile == "off" or c.scaling.workers == 1 or c.train.ddp_bucket_cap_mb >= 1,
+     ">= 1 when train.compile is on with more than one worker"),
     ("schedule.warmup_epochs", lambda c: 0 <= c.schedule.warmup_epochs <= c.train.epochs, "in [0, train.epochs]"),
     ("schedule.min_lr_ratio", lambda c: 0 <= c.schedule.min_lr_ratio <= 1, "in [0, 1]"),
     ("checkpoint.every_epochs", lambda c: c.checkpoint.every_epochs >= 1, ">= 1"),

@@ -76,6 +76,8 @@ def cases(d):
         ([DIGITS, "--set", "scaling.backend=mpi"], "scaling.backend must be one of"),
         ([DIGITS, "--set", "scaling.backend=nccl"], "nccl needs GPUs"),
         ([DIGITS, "--set", "train.sync_batchnorm=true"], "sync_batchnorm needs GPU workers"),
+        ([DIGITS, "--set", "train.compile=default", "--set", "train.ddp_bucket_cap_mb=0.5"],
+         "train.ddp_bucket_cap_mb must be >= 1 when train.compile is on"),
         # bad --set expressions
         ([DIGITS, "--set", "train.epochs"], "bad --set expression"),
         ([DIGITS, "--set", "=3"], "bad --set expression"),
