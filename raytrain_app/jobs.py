@@ -82,6 +82,9 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
         placement=profile.placement,
     )
     config = resolve_auto(dataclasses.replace(config, name=name or config.name, scaling=scaling))
+    # The cluster's shape replaced the config's workers and GPUs: check again the rules that
+    # depend on them (nccl needs GPUs, ...) here, not in a job that would fail on the cluster.
+    config = JobConfig.from_dict(config.to_dict(), f"{config.name} on {nodes} nodes x {per_node} workers")
     submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = storage.join(storage.normalize(profile.storage), submission_id)
     runtime_env = {

@@ -43,3 +43,16 @@ def test_cpu_cluster_flags_override_the_profile():
         plan_submission(profile, load_config("examples/digits.yaml"), cpus_per_node=2, workers_per_node=3)
     with pytest.raises(UserError, match="--nodes must be >= 1"):
         plan_submission(profile, load_config("examples/digits.yaml"), nodes=0)
+
+
+def test_the_cluster_shape_is_checked_against_the_config():
+    """Valid as written, invalid once the cluster decides the workers and GPUs: caught before submitting."""
+    profile = load_profile("cluster/local-2node.yaml")
+    compiled = load_config("examples/digits.yaml", ["train.compile=default", "train.ddp_bucket_cap_mb=0.5",
+                                                    "scaling.workers=1"])
+    with pytest.raises(UserError, match=r"digits on 2 nodes x 1 workers: train.ddp_bucket_cap_mb must be >= 1"):
+        plan_submission(profile, compiled, nodes=2, gpus_per_node=0)
+    assert plan_submission(profile, compiled, nodes=1, gpus_per_node=0).config.scaling.workers == 1
+    nccl = load_config("examples/digits.yaml", ["scaling.backend=nccl", "scaling.gpus_per_worker=1"])
+    with pytest.raises(UserError, match="scaling.backend must be gloo or auto when scaling.gpus_per_worker is 0"):
+        plan_submission(profile, nccl, nodes=2, gpus_per_node=0)
