@@ -1,5 +1,5 @@
-"""The throughput machinery in one process: device-resident batches, loader sizing, FLOPs, MFU,
-the epoch time split and torch.compile."""
+"""The throughput machinery without Ray: device-resident batches, loader sizing, FLOPs, MFU, the
+epoch time split, and torch.compile alone and under DDP over two Gloo ranks."""
 
 import os
 import socket
