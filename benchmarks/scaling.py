@@ -30,7 +30,7 @@ import tempfile
 
 import torch
 
-from raytrain_app.cluster import embedded_cluster
+from raytrain_app.session import embedded_cluster
 from raytrain_app.trainer import run_training
 
 # The job, plan and table helpers of benchmarks/throughput.py, beside this file.

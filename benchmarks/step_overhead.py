@@ -22,6 +22,7 @@ from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, Schedu
 from raytrain_app.data import build_datasets, train_loader
 from raytrain_app.loop import Precision, seed_everything, train_epoch
 from raytrain_app.models import build_model
+from raytrain_app.nonfinite import LossCheck
 from raytrain_app.optim import build_optimizer, build_schedule
 
 
@@ -33,6 +34,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=40, help="steps per timed epoch")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=5, help="independent measurements, for the ratio's median and range")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = p.parse_args()
     if args.threads:
@@ -53,9 +55,11 @@ def main() -> None:
     state = TrainState(ours, opt, build_schedule(opt, ScheduleConfig(name="constant"), len(loader), 10_000),
                        precision.scaler)
 
+    loss_check = LossCheck(device)  # on by default in every run (train.stop_on_nonfinite)
+
     def run_ours(epoch: int) -> None:
         sampler.set_epoch(epoch)
-        train_epoch(ours, loader, state, precision, 1, None, device)
+        train_epoch(ours, loader, state, precision, 1, None, device, loss_check=loss_check)
 
     # The hand-written loop: index the tensors, normalise, step.
     hand_opt = torch.optim.SGD(hand.parameters(), lr=0.01, momentum=0.9)
@@ -90,18 +94,21 @@ def main() -> None:
         return (time.perf_counter() - t0) / args.steps
 
     run_ours(0), run_hand(0)  # warm-up: allocator, kernels, caches
-    times = {"raytrain-app": [], "hand-written": []}
-    for r in range(1, args.rounds + 1):
-        order = [("raytrain-app", run_ours), ("hand-written", run_hand)]
-        for name, fn in (order if r % 2 else order[::-1]):
-            times[name].append(timed(fn, r))
-
-    med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{args.model} batch {args.batch} {args.precision} on {args.device}, torch threads "
-          f"{torch.get_num_threads()}, {args.steps} steps x {args.rounds} rounds")
-    for name, t in med.items():
-        print(f"  {name:<13} {t * 1e3:8.2f} ms/step  {args.batch / t:10,.0f} samples/s")
-    print(f"  ratio raytrain-app / hand-written: {med['raytrain-app'] / med['hand-written']:.3f}")
+          f"{torch.get_num_threads()}, {args.steps} steps x {args.rounds} rounds x {args.repeats} repeats")
+    ratios = []
+    for repeat in range(args.repeats):
+        times = {"raytrain-app": [], "hand-written": []}
+        for r in range(1, args.rounds + 1):
+            order = [("raytrain-app", run_ours), ("hand-written", run_hand)]
+            for name, fn in (order if r % 2 else order[::-1]):
+                times[name].append(timed(fn, r))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios.append(med["raytrain-app"] / med["hand-written"])
+        print(f"  repeat {repeat + 1}: " + ", ".join(f"{name} {t * 1e3:.2f} ms/step" for name, t in med.items())
+              + f", ratio {ratios[-1]:.3f}")
+    print(f"  ratio raytrain-app / hand-written: median {statistics.median(ratios):.3f}, "
+          f"range {min(ratios):.3f} to {max(ratios):.3f} over {len(ratios)} repeats")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from raytrain_app.cluster import embedded_cluster
+from raytrain_app.session import embedded_cluster
 from raytrain_app.config import JobConfig, ModelConfig, apply_override
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.errors import UserError

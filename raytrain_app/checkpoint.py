@@ -12,10 +12,13 @@ good one. Everything is loaded with `weights_only=True`, so a checkpoint cannot 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import posixpath
 import random
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -23,10 +26,15 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from raytrain_app import storage
+from raytrain_app import optim, storage
 from raytrain_app.metrics import Totals
 
 STATE_FILE = "state.pt"
+
+# The score a mid-epoch checkpoint reports for `checkpoint.metric`, so that Ray's best-K never
+# keeps it for its score. Finite on purpose: Ray's JSON index of checkpoints turns NaN into null,
+# and a resumed run's controller then fails sorting it.
+WORST_SCORE = {"max": -sys.float_info.max, "min": sys.float_info.max}
 
 
 @dataclass
@@ -67,23 +75,24 @@ def save(directory: str, state: TrainState, rank: int, config: dict) -> None:
     })
 
 
-def restore_latest_good(latest, state: TrainState, rank: int, device: torch.device,
+def restore_latest_good(latest, state: TrainState, rank: int, device: torch.device, run_dir: str,
                         warn: Callable[[str], None]) -> str:
-    """Restore the newest checkpoint that verifies, newest first; returns its path.
+    """Restore the newest checkpoint that verifies, newest first; returns its URI.
 
     Every rank walks the same list in the same order, so all ranks agree on the one they load.
     """
     for candidate in [latest, *_older_than(latest)]:
+        uri = storage.checkpoint_uri(run_dir, candidate)
         with candidate.as_directory() as directory:
             problem = verify(directory, rank)
             if problem is None:
                 try:
                     load_into(directory, state, rank, device)
-                    return candidate.path
+                    return uri
                 except Exception as e:  # weights_only refuses code; a torn file fails to parse
                     problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        warn(f"skipping checkpoint {candidate.path}: {problem}")
-    raise RuntimeError(f"no usable checkpoint: every checkpoint under {os.path.dirname(latest.path)} is damaged")
+        warn(f"skipping checkpoint {uri}: {problem}")
+    raise RuntimeError(f"no usable checkpoint: every checkpoint in {run_dir} is damaged")
 
 
 def verify(directory: str, rank: int) -> Optional[str]:
@@ -103,15 +112,16 @@ def verify(directory: str, rank: int) -> Optional[str]:
     return None
 
 
-def load_state(directory: str) -> dict:
-    return torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
+def load_state(checkpoint_dir: str) -> dict:
+    """Rank 0's training state from a checkpoint directory: a local path or a URI."""
+    data = storage.read_bytes(storage.join(checkpoint_dir, STATE_FILE))
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def load_into(directory: str, state: TrainState, rank: int, device: torch.device) -> None:
-    saved = load_state(directory)
+    saved = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
     state.model.load_state_dict(saved["model"])
-    state.optimizer.load_state_dict(saved["optimizer"])
-    state.scheduler.load_state_dict(saved["scheduler"])
+    optim.load_state(state.optimizer, state.scheduler, saved["optimizer"], saved["scheduler"])
     if state.scaler and saved["scaler"]:
         state.scaler.load_state_dict(saved["scaler"])
     state.epoch, state.step, state.batch = saved["epoch"], saved["step"], saved["batch"]
@@ -127,11 +137,12 @@ def load_into(directory: str, state: TrainState, rank: int, device: torch.device
 
 
 def _older_than(latest) -> list:
-    """The run's earlier checkpoints, newest first (Ray names them by timestamp)."""
+    """The run's earlier checkpoints, newest first (Ray names them by timestamp), on the latest's
+    own filesystem: its path is a path inside that filesystem, not a local path or a URI."""
     from ray.train import Checkpoint
 
-    fs, path = storage.filesystem_for(latest.path)
-    parent, mine = posixpath.split(path.rstrip("/"))
+    fs = latest.filesystem
+    parent, mine = posixpath.split(latest.path.rstrip("/"))
     names = sorted((info.base_name for info in fs.get_file_info(pafs.FileSelector(parent))
                     if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
                     and info.base_name < mine), reverse=True)
@@ -141,11 +152,17 @@ def _older_than(latest) -> list:
 def _write(directory: str, name: str, obj) -> None:
     """torch.save under a temporary name, then rename: a reader never sees half a file."""
     path = os.path.join(directory, name)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    with open(path + ".sha256.tmp", "w") as f:
-        f.write(f"{_sha256(path)}  {name}\n")
-    os.replace(path + ".sha256.tmp", path + ".sha256")
+    try:
+        torch.save(obj, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        with open(path + ".sha256.tmp", "w") as f:
+            f.write(f"{_sha256(path)}  {name}\n")
+        os.replace(path + ".sha256.tmp", path + ".sha256")
+    except BaseException:  # a full disk, an interrupt: leave the previous file, not a torn one beside it
+        for torn in (path + ".tmp", path + ".sha256.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(torn)
+        raise
 
 
 def _sha256(path: str) -> str:

@@ -13,7 +13,7 @@ import click
 
 STARTED = time.time()  # start-up is measured from here: Python itself has run ~0.1 s before
 
-from raytrain_app.errors import TrainingFailed, UserError
+from raytrain_app.errors import TrainingFailed, UserError, last_line
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
@@ -54,23 +54,21 @@ def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, add
         marks = {"start": STARTED, "planned": time.time()}
         click.echo(f"run {plan.run_dir}: {plan.config.scaling.workers} workers, {plan.config.scaling.backend}, "
                    f"{plan.config.train.precision}")
-        from raytrain_app.cluster import connected, embedded_cluster, running_local_cluster
         from raytrain_app.report import summary
+        from raytrain_app.session import choose_cluster, ray_session
         from raytrain_app.trainer import run_training
 
         s = plan.config.scaling
-        running = running_local_cluster(s.workers, s.cpus_per_worker, s.gpus_per_worker) if address is None else None
-        if running:
-            click.echo(f"using the running local cluster '{running.name}' (--address local starts a fresh one)")
-            cluster = connected(f"127.0.0.1:{running.local.port}", plan.log_dir, verbose, running.token())
-        elif address and address != "local":
-            cluster = connected(address, plan.log_dir, verbose)
-        else:
-            cluster = embedded_cluster(num_cpus=max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999)),
-                                       log_dir=plan.log_dir, verbose=verbose)
-        with cluster:
-            marks["cluster"] = time.time()
-            result = run_training(plan, progress=sys.stdout.isatty(), echo=click.echo, marks=marks)
+        choice = choose_cluster(address, s.workers, s.cpus_per_worker, s.gpus_per_worker)
+        if choice.note:
+            click.echo(choice.note)
+        try:
+            with ray_session(choice, max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999)),
+                             plan.log_dir, verbose):
+                marks["cluster"] = time.time()
+                result = run_training(plan, progress=sys.stdout.isatty(), echo=click.echo, marks=marks)
+        finally:
+            plan.upload_logs()
         click.echo(summary(plan, result))
 
 
@@ -98,10 +96,13 @@ def submit(config_file, profile_file, nodes, gpus_per_node, cpus_per_node, worke
     from raytrain_app.dashboard import Dashboard
     from raytrain_app import jobs
 
+    sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as for `train`
     with _command():
         profile = _profile(profile_file)
         sub = jobs.plan_submission(profile, load_config(config_file, overrides), nodes, gpus_per_node,
                                    cpus_per_node, workers_per_node, name)
+        for warning in sub.warnings:
+            click.echo(f"warning: {warning}", err=True)
         if dry_run:
             click.echo(summary_table(sub.describe()))
             return
@@ -181,20 +182,20 @@ def cluster():
 @click.argument("profile_file", metavar="PROFILE")
 def cluster_up(profile_file):
     """Start the profile's cluster (local nodes, or Ray's launcher)."""
-    from raytrain_app import cluster as clusters
+    from raytrain_app.localnodes import cluster_up
 
     with _command():
-        clusters.cluster_up(_profile(profile_file), click.echo)
+        cluster_up(_profile(profile_file), click.echo)
 
 
 @cluster.command("down")
 @click.argument("profile_file", metavar="PROFILE")
 def cluster_down(profile_file):
     """Stop exactly the nodes `cluster up` started."""
-    from raytrain_app import cluster as clusters
+    from raytrain_app.localnodes import cluster_down
 
     with _command():
-        clusters.cluster_down(_profile(profile_file), click.echo)
+        cluster_down(_profile(profile_file), click.echo)
 
 
 @cluster.command("status")
@@ -246,7 +247,26 @@ class _command:
         if isinstance(error, KeyboardInterrupt):
             click.echo("interrupted", err=True)
             sys.exit(130)
+        if isinstance(error, Exception):  # a bug: still one line, with the traceback kept in a file
+            click.echo(f"error: internal error, {type(error).__name__}: {last_line(error)} "
+                       f"({_keep_traceback(kind, error, tb)})", err=True)
+            sys.exit(EXIT_FAILED)
         return False
+
+
+def _keep_traceback(kind, error, tb) -> str:
+    """Write the traceback of an unexpected error to a file; say where it is and where it was raised."""
+    import tempfile
+    import traceback
+
+    frames = traceback.extract_tb(tb)
+    where = f"at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}; " if frames else ""
+    folder = os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    with open(path, "w") as f:
+        f.write("".join(traceback.format_exception(kind, error, tb)))
+    return f"{where}traceback in {path}"
 
 
 def run() -> None:

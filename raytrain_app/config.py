@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from raytrain_app import yamlfile
 from raytrain_app.errors import ConfigError
 
 
@@ -84,6 +85,9 @@ class TrainConfig:
     ddp_bucket_cap_mb: float = 25.0
     # DDP static graph: valid when every step uses the same parameters (no unused branches).
     ddp_static_graph: bool = False
+    # Stop at the first non-finite training loss (all ranks at one step, exit code 1), keeping the
+    # last good checkpoint as the latest; false trains on.
+    stop_on_nonfinite: bool = True
 
 
 @dataclass
@@ -161,6 +165,12 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("train.ddp_bucket_cap_mb",
      lambda c: c.train.compile == "off" or c.scaling.workers == 1 or c.train.ddp_bucket_cap_mb >= 1,
      ">= 1 when train.compile is on with more than one worker"),
+    # torch's DDP with static_graph fails an internal assert on the first backward under no_sync()
+    # (pytorch/pytorch#143580), and gradient accumulation runs its micro-batches under no_sync().
+    ("train.ddp_static_graph",
+     lambda c: not c.train.ddp_static_graph or c.train.grad_accum_steps == 1 or c.scaling.workers == 1,
+     "false with train.grad_accum_steps > 1 and more than one worker (torch's DDP cannot accumulate "
+     "gradients under a static graph: pytorch/pytorch#143580)"),
     ("schedule.warmup_epochs", lambda c: 0 <= c.schedule.warmup_epochs <= c.train.epochs, "in [0, train.epochs]"),
     ("schedule.min_lr_ratio", lambda c: 0 <= c.schedule.min_lr_ratio <= 1, "in [0, 1]"),
     ("checkpoint.every_epochs", lambda c: c.checkpoint.every_epochs >= 1, ">= 1"),
@@ -204,7 +214,7 @@ def read_yaml(path: str | Path) -> tuple[dict, str]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {source}: {e}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yamlfile.loads(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -230,7 +240,7 @@ def apply_override(raw: dict, expr: str, source: str) -> None:
     if not sep or not key or not all(p.strip() for p in parts):
         raise ConfigError(f"bad --set expression {expr!r}: expected KEY=VALUE, e.g. train.epochs=5")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = yamlfile.loads(text) if text.strip() else ""
     except yaml.YAMLError:
         raise ConfigError(f"bad --set expression {expr!r}: the value is not valid YAML") from None
     node = raw
@@ -243,7 +253,7 @@ def apply_override(raw: dict, expr: str, source: str) -> None:
 
 
 def dump_yaml(config: JobConfig) -> str:
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+    return yamlfile.dumps(config.to_dict())
 
 
 # ---- typed construction -------------------------------------------------------------------

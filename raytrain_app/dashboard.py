@@ -11,6 +11,7 @@ from typing import Optional
 
 import requests
 
+from raytrain_app.console import route_ray_logs
 from raytrain_app.errors import UserError
 from raytrain_app.profiles import ClusterProfile
 
@@ -66,6 +67,7 @@ class Dashboard:
             self.check()
             from ray.job_submission import JobSubmissionClient
 
+            route_ray_logs(None, verbose=False)  # importing Ray gave its loggers a console handler again
             self._client = JobSubmissionClient(self.address, headers=self.headers, verify=True)
         return self._client
 

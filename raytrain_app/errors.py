@@ -1,9 +1,12 @@
-"""The one exception type that means "the user asked for something impossible".
+"""The one exception type that means "the user asked for something impossible", and the one place
+that reads Ray's error texts.
 
 The CLI turns a `UserError` into a one-line message and exit code 2; anything else that goes
 wrong during training is a training failure (exit code 1). Workers raise it too: it survives
 pickling across Ray, so a bad label found inside a worker still reads as a user error.
 """
+
+import re
 
 
 class UserError(Exception):
@@ -34,3 +37,40 @@ def last_line(e: BaseException) -> str:
     """The last non-empty line of an error: the message under a nested traceback."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[-1] if lines else type(e).__name__
+
+
+# ---- Ray's worker errors, read once --------------------------------------------------------
+# Ray reports a failed worker as an exception whose text nests tracebacks and, for a process that
+# died, an "exit detail" and the worker's node_ip and pid; these turn that into one clause.
+
+_EXIT_DETAIL = re.compile(r"Worker exit detail: ([^\n]+?)(?: The (?:process|worker)| Some common causes|$)", re.MULTILINE)
+_IP = re.compile(r"(?<![A-Za-z])ip[=:]\s*'?([0-9a-fA-F.:]+[0-9a-fA-F])")
+_PID = re.compile(r"\bpid[=:]\s*(\d+)")
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def process_died(e: BaseException) -> bool:
+    """The worker's process is gone (killed, crashed, OOM), as opposed to raising an exception."""
+    return bool(_EXIT_DETAIL.search(str(e)))
+
+
+def timed_out(e: BaseException) -> bool:
+    return bool(_TIMEOUT.search(str(e)))
+
+
+def describe(e: BaseException) -> str:
+    """`Type: message` for a plain exception; the last line for one that carries a traceback;
+    Ray's exit detail for a worker process that died."""
+    died = _EXIT_DETAIL.search(str(e))
+    if died:
+        return f"worker process died: {died.group(1).strip()}"
+    line = last_line(e)
+    return line if "\n" in str(e).strip() else f"{type(e).__name__}: {line}"
+
+
+def describe_rank(rank: int, e: BaseException) -> str:
+    """"rank R on node IP (pid N): what happened", with whatever of node and pid Ray's text names."""
+    text = str(e)
+    ip, pid = _IP.search(text), _PID.search(text)
+    where = (f" on node {ip.group(1)}" if ip else "") + (f" (pid {pid.group(1)})" if pid else "")
+    return f"rank {rank}{where}: {describe(e)}"

@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import shlex
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from raytrain_app import storage
 from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.dashboard import Dashboard
-from raytrain_app.errors import UserError
+from raytrain_app.errors import UserError, last_line
 from raytrain_app.plan import resolve_auto
 from raytrain_app.profiles import ClusterProfile, mask
+from raytrain_app.shipping import check_upload_size, unshipped_imports
 
 CONFIG_ENV = "RAYTRAIN_JOB_CONFIG"
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -39,6 +41,7 @@ class Submission:
     workers_per_node: int
     runtime_env: dict
     entrypoint: str
+    warnings: list[str] = field(default_factory=list)  # said once, before anything is sent
 
     def describe(self) -> list[tuple[str, str]]:
         s = self.config.scaling
@@ -87,15 +90,21 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     config = JobConfig.from_dict(config.to_dict(), f"{config.name} on {nodes} nodes x {per_node} workers")
     submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = storage.join(storage.normalize(profile.storage), submission_id)
+    working_dir = profile.path(profile.runtime_env.working_dir) if profile.runtime_env.working_dir else None
+    if working_dir and not os.path.isdir(working_dir):
+        raise UserError(f"{profile.source}: runtime_env.working_dir {working_dir} is not a directory")
     runtime_env = {
-        **({"working_dir": profile.path(profile.runtime_env.working_dir),
-            "excludes": profile.runtime_env.excludes} if profile.runtime_env.working_dir else {}),
+        **({"working_dir": working_dir, "excludes": profile.runtime_env.excludes} if working_dir else {}),
         **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
-        "env_vars": {**{k: str(v) for k, v in profile.runtime_env.env_vars.items()}, CONFIG_ENV: dump_yaml(config)},
+        "env_vars": {**profile.job_env_vars(), CONFIG_ENV: dump_yaml(config)},
     }
     entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - --address auto "
                   f"--run-dir {shlex.quote(run_dir)}")
-    return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint)
+    if working_dir:
+        check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
+                          profile.source)
+    return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
+                      unshipped_imports(config, working_dir, profile.source))
 
 
 def preflight(sub: Submission, dashboard: Dashboard) -> None:
@@ -115,8 +124,11 @@ def preflight(sub: Submission, dashboard: Dashboard) -> None:
 
 
 def submit(sub: Submission, dashboard: Dashboard) -> str:
-    return dashboard.jobs().submit_job(entrypoint=sub.entrypoint, submission_id=sub.submission_id,
-                                       runtime_env=sub.runtime_env)
+    try:
+        return dashboard.jobs().submit_job(entrypoint=sub.entrypoint, submission_id=sub.submission_id,
+                                           runtime_env=sub.runtime_env)
+    except (ValueError, RuntimeError) as e:  # Ray refuses the runtime_env, or the cluster refuses the job
+        raise UserError(f"cannot submit to {dashboard.address}: {last_line(e)}") from None
 
 
 def follow(dashboard: Dashboard, job_id: str, echo: Callable[[str], None]) -> str:
@@ -131,12 +143,13 @@ def follow(dashboard: Dashboard, job_id: str, echo: Callable[[str], None]) -> st
     return wait(dashboard, job_id, timeout_s=30)
 
 
-def wait(dashboard: Dashboard, job_id: str, timeout_s: float) -> str:
+def wait(dashboard: Dashboard, job_id: str, timeout_s: float, until: set[str] = TERMINAL) -> str:
+    """Poll the job's status until it is one of `until` (or the time is up); returns the last one."""
     client = dashboard.jobs()
     deadline = time.monotonic() + timeout_s
     while True:
         status = str(client.get_job_status(job_id).value)
-        if status in TERMINAL or time.monotonic() > deadline:
+        if status in until or time.monotonic() > deadline:
             return status
         time.sleep(0.5)
 
@@ -157,7 +170,10 @@ def logs(dashboard: Dashboard, job_id: str) -> str:
 
 
 def stop(dashboard: Dashboard, job_id: str, timeout_s: float = 60) -> str:
-    job_info(dashboard, job_id)
+    # Ray marks a job stopped while it is still PENDING (its runtime env being set up) and may then
+    # start its entrypoint all the same (ray-project/ray#58353): stop it once it runs.
+    if str(job_info(dashboard, job_id).status.value) == "PENDING":
+        wait(dashboard, job_id, timeout_s, until=TERMINAL | {"RUNNING"})
     dashboard.jobs().stop_job(job_id)
     return wait(dashboard, job_id, timeout_s)
 

@@ -11,14 +11,14 @@ Ray Train has already started this process, set its device and joined it to the 
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import sys
 import tempfile
 import time
 from contextlib import nullcontext
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import numpy as np
 import ray.train
@@ -26,7 +26,6 @@ import ray.train.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_app import checkpoint
 from raytrain_app.checkpoint import TrainState
@@ -35,33 +34,45 @@ from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loade
 from raytrain_app.metrics import (Totals, allreduce_seconds, global_max, peak_flops, time_split,
                                   train_flops_per_sample)
 from raytrain_app.models import build_model
+from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
+from raytrain_app.reporter import Reporter
+from raytrain_app.strategy import parallelize
 
-PROGRESS_INTERVAL_S = 0.5
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What the driver hands every worker: the one object that crosses the Ray boundary."""
+
+    job: dict  # the resolved job config as plain data; each worker validates it again
+    run_dir: str  # a local path or URI: where checkpoints and metrics live
+    events: Any  # a ray.util.queue.Queue that the driver's console reads
+    progress: bool  # rank 0 reports its position within epochs (the driver shows a bar)
+    log_dir: str  # RUN_DIR/logs, a local path or URI: where rank-N.log goes
+    cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
+def train_loop_per_worker(args: WorkerArgs) -> None:
     entered = time.time()
     # Run where the user launched, as a hand-written DDP script would: relative data paths and
     # "mypkg.models:build" import paths then mean the same on workers as on the driver.
-    if os.path.isdir(loop_config["cwd"]):
-        os.chdir(loop_config["cwd"])
-        sys.path.insert(0, loop_config["cwd"])
-    job = JobConfig.from_dict(loop_config["job"])
-    events = loop_config["events"]  # a ray.util.queue.Queue read by the driver's console
+    if args.cwd and os.path.isdir(args.cwd):
+        os.chdir(args.cwd)
+        sys.path.insert(0, args.cwd)
+    job = JobConfig.from_dict(args.job)
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    log = _rank_logger(loop_config["log_dir"], rank)
-    log.info("rank %d/%d on node %s, device %s", rank, world_size, ray.get_runtime_context().get_node_id(), device)
+    report = Reporter(args.events, rank, args.log_dir, args.progress)
+    report.info("rank %d/%d on node %s, device %s", rank, world_size, ray.get_runtime_context().get_node_id(), device)
     try:
-        _run(job, rank, world_size, device, events, loop_config["progress"], log, entered)
+        _run(job, args, rank, world_size, device, report, entered)
     except BaseException:
-        log.exception("rank %d failed", rank)
+        report.failed()
         raise
+    report.sync()
 
 
-def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, events, progress: bool, log,
+def _run(job: JobConfig, args: WorkerArgs, rank: int, world_size: int, device: torch.device, report: Reporter,
          entered: float) -> None:
     tc = job.train
 
@@ -69,20 +80,11 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
     # and a 1-worker run starts from the same weights), then a per-rank seed for dropout/augmentation.
     seed_everything(job.seed)
     data = build_datasets(job.data)
-    model = build_model(job.model, data.input_shape, data.num_classes)
-    if tc.sync_batchnorm and world_size > 1:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # channels_last lets cuDNN pick its fastest convolution kernels; it matters only for conv nets.
-    memory_format = torch.channels_last if tc.channels_last == "on" and _has_conv(model) else torch.contiguous_format
-    model.to(device, memory_format=memory_format)
+    built = build_model(job.model, data.input_shape, data.num_classes)
+    parallel = parallelize(built, tc, world_size, device, report.warn)
+    model, train_model, memory_format, cuda_graphs = (parallel.model, parallel.train_model, parallel.memory_format,
+                                                      parallel.cuda_graphs)
     seed_everything(job.seed + rank)
-
-    # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    bucket_cap_mb=tc.ddp_bucket_cap_mb, gradient_as_bucket_view=True,
-                    static_graph=tc.ddp_static_graph) if world_size > 1 else model
-    train_model, cuda_graphs = _compiled(ddp_model, tc.compile, world_size, tc.grad_accum_steps, device,
-                                         lambda message: _notice(events, rank, log, message))
 
     # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.
     resident = keep_on_device(data, job.data.on_device, device)
@@ -93,7 +95,7 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
     train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident)
     eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident)
     steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
-    log.info("data %s, %d loader workers; compile %s%s", "on the device" if resident else "through a DataLoader",
+    report.info("data %s, %d loader workers; compile %s%s", "on the device" if resident else "through a DataLoader",
              workers, tc.compile, " with CUDA graphs" if cuda_graphs else "")
 
     # Where epoch time goes: one unoverlapped all-reduce of the gradients, timed once, bounds
@@ -109,9 +111,9 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
 
     resumed = ray.train.get_checkpoint()
     if resumed:
-        restored = checkpoint.restore_latest_good(resumed, state, rank, device,
-                                                  warn=lambda message: _notice(events, rank, log, message))
-        log.info("resumed from %s at epoch %d, step %d, batch %d", restored, state.epoch, state.step, state.batch)
+        restored = checkpoint.restore_latest_good(resumed, state, rank, device, args.run_dir,
+                                                  warn=report.warn)
+        report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
 
     def save_and_report(metrics: dict) -> None:
         with tempfile.TemporaryDirectory() as directory:
@@ -119,65 +121,70 @@ def _run(job: JobConfig, rank: int, world_size: int, device: torch.device, event
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
     ready = time.time()
+    loss_check = LossCheck(device, tc.stop_on_nonfinite)
 
     def after_step(last_in_epoch: bool) -> None:
         """After each optimizer step: the start-up report (first step), and mid-epoch checkpoints
         every N steps, which record the sampler position."""
         if state.step == 1 and rank == 0:  # a fresh run's first step: tell the driver where start-up went
-            events.put(("startup", {"loop": entered, "ready": ready, "first_step": time.time()}))
+            report.startup({"loop": entered, "ready": ready, "first_step": time.time()})
         every = job.checkpoint.every_steps
         if every and state.step % every == 0 and not last_in_epoch:
+            loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
             state.train_time = time.perf_counter() - t0
-            save_and_report({"epoch": state.epoch, "step": state.step, "batch": state.batch,
-                             job.checkpoint.metric: float("nan")})  # never "best": only the latest matters
+            # A mid-epoch checkpoint must never rank as "best": it is kept only while it is the latest.
+            save_and_report({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
+                             job.checkpoint.metric: checkpoint.WORST_SCORE[job.checkpoint.mode]})
 
-    for epoch in range(state.epoch, tc.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming mid-epoch
-        on_batch = _progress_reporter(events, epoch, state.batch + len(train_dl)) if progress and rank == 0 else None
-        t0 = time.perf_counter() - state.train_time
-        first_step = state.step - state.batch // tc.grad_accum_steps  # this epoch's, also when resumed inside it
-        train_totals = train_epoch(train_model, train_dl, state, precision, tc.grad_accum_steps, tc.grad_clip,
-                                   device, on_batch, after_step, state.totals, memory_format, cuda_graphs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
-        train_time = time.perf_counter() - t0
-        eval_totals = evaluate(model, eval_dl, precision, device, memory_format)
+    try:
+        for epoch in range(state.epoch, tc.epochs):
+            sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+            sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming mid-epoch
+            on_batch = report.progress(epoch, state.batch + len(train_dl))
+            t0 = time.perf_counter() - state.train_time
+            first_step = state.step - state.batch // tc.grad_accum_steps  # this epoch's, also when resumed inside it
+            train_totals = train_epoch(train_model, train_dl, state, precision, tc.grad_accum_steps, tc.grad_clip,
+                                       device, on_batch, after_step, state.totals, memory_format, cuda_graphs,
+                                       loss_check)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
+            train_time = time.perf_counter() - t0
+            eval_totals = evaluate(model, eval_dl, precision, device, memory_format)
 
-        train_totals.all_reduce()
-        eval_totals.all_reduce()
-        slowest = global_max(train_time, device)
-        state.epoch, state.batch, state.totals, state.train_time = epoch + 1, 0, None, 0.0
-        metrics = {
-            "epoch": state.epoch,
-            "step": state.step,
-            "train_loss": train_totals.loss,
-            "eval_loss": eval_totals.loss,
-            "eval_accuracy": eval_totals.accuracy,
-            "eval_samples": eval_totals.count,
-            "samples_per_s": train_totals.count / slowest,
-            "samples_per_s_per_worker": train_totals.count / slowest / world_size,
-            **time_split(slowest, train_totals.data_wait_s, state.step - first_step, sync_s),
-            "epoch_time_s": slowest,
-            "world_size": world_size,
-            "lr": optimizer.param_groups[0]["lr"],
-        }
-        if device.type == "cuda" and flops_per_sample is None:  # counted once, off the start-up path
-            flops_per_sample = train_flops_per_sample(model, data.input_shape) or 0.0
-        if flops_per_sample:
-            achieved = flops_per_sample * metrics["samples_per_s_per_worker"]
-            metrics["tflops_per_worker"] = achieved / 1e12
-            if peak:
-                metrics["mfu"] = achieved / peak
-        log.info("epoch %d %s", state.epoch, metrics)
+            train_totals.all_reduce()
+            eval_totals.all_reduce()
+            slowest = global_max(train_time, device)
+            state.epoch, state.batch, state.totals, state.train_time = epoch + 1, 0, None, 0.0
+            metrics = {
+                "epoch": state.epoch,
+                "step": state.step,
+                "train_loss": train_totals.loss,
+                "eval_loss": eval_totals.loss,
+                "eval_accuracy": eval_totals.accuracy,
+                "eval_samples": eval_totals.count,
+                "samples_per_s": train_totals.count / slowest,
+                "samples_per_s_per_worker": train_totals.count / slowest / world_size,
+                **time_split(slowest, train_totals.data_wait_s, state.step - first_step, sync_s),
+                "epoch_time_s": slowest,
+                "world_size": world_size,
+                "lr": optimizer.param_groups[0]["lr"],
+            }
+            if device.type == "cuda" and flops_per_sample is None:  # counted once, off the start-up path
+                flops_per_sample = train_flops_per_sample(model, data.input_shape) or 0.0
+            if flops_per_sample:
+                achieved = flops_per_sample * metrics["samples_per_s_per_worker"]
+                metrics["tflops_per_worker"] = achieved / 1e12
+                if peak:
+                    metrics["mfu"] = achieved / peak
 
-        if state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs:
-            save_and_report(metrics)
-        else:
-            ray.train.report(metrics)
-        if rank == 0:
-            events.put(("epoch", metrics))
-
+            if state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs:
+                save_and_report(metrics)
+            else:
+                ray.train.report(metrics)
+            report.epoch(metrics)
+            report.sync()
+    except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
+        report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
 
 def train_epoch(
     model: nn.Module,
@@ -192,6 +199,7 @@ def train_epoch(
     totals: Optional[Totals] = None,
     memory_format: torch.memory_format = torch.contiguous_format,
     cuda_graphs: bool = False,
+    loss_check: Optional[LossCheck] = None,
 ) -> Totals:
     """One pass over this rank's shard (or its rest, from `state.batch`); returns its unreduced loss totals.
 
@@ -220,15 +228,20 @@ def train_epoch(
         totals.add(loss, len(y))
         state.batch = i + 1
         if last:
+            lr = state.optimizer.param_groups[0]["lr"]
             precision.step(state.optimizer, state.model.parameters(), grad_clip)
             state.optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             state.step += 1
+            if loss_check:
+                loss_check.after_step(totals.sums[0], state.step, lr)
             if after_step:
                 after_step(i + 1 == n)
         if on_batch:
             on_batch(i + 1)
         waited_since = time.perf_counter()
+    if loss_check:
+        loss_check.settle()
     return totals
 
 
@@ -249,26 +262,6 @@ def evaluate(model: nn.Module, loader, precision: "Precision", device: torch.dev
         totals.add(F.cross_entropy(logits.float(), y), len(y), (logits.argmax(1) == y).sum())
     model.train()
     return totals
-
-
-def _compiled(model: nn.Module, mode: str, world_size: int, accum_steps: int, device: torch.device,
-              warn: Callable[[str], None]) -> tuple[nn.Module, bool]:
-    """`train.compile`, and whether the result replays CUDA graphs.
-
-    CUDA graphs (reduce-overhead, max-autotune) remove the launch overhead that bounds small
-    models on GPUs, but a graph cannot hold DDP's all-reduce hooks, and gradients accumulated
-    across micro-batches would live in graph memory that the next replay overwrites. In those
-    cases the graph-free variant of the mode is used (under DDP, torch.compile splits the graph
-    at DDP's buckets instead).
-    """
-    if mode == "off":
-        return model, False
-    graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
-    why = "DDP's all-reduce" if world_size > 1 else "gradient accumulation" if accum_steps > 1 else None
-    if graphs and why:
-        warn(f"train.compile: {mode} uses CUDA graphs, which cannot capture {why}; compiling without them")
-        mode, graphs = ("default" if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"), False
-    return torch.compile(model, mode=None if mode == "default" else mode), graphs
 
 
 class Precision:
@@ -303,43 +296,7 @@ def _to_device(x: torch.Tensor, device: torch.device, memory_format: torch.memor
     return x.to(device, non_blocking=True)
 
 
-def _has_conv(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.Conv2d) for m in model.modules())
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _notice(events, rank: int, log, message: str) -> None:
-    log.warning(message)
-    if rank == 0:
-        events.put(("notice", message))
-
-
-def _progress_reporter(events, epoch: int, total: int) -> Callable[[int], None]:
-    """Rank 0 tells the driver its position at most every PROGRESS_INTERVAL_S, never blocking a step."""
-    last = 0.0
-
-    def report(done: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= PROGRESS_INTERVAL_S or done == total:
-            last = now
-            events.actor.put_nowait.remote(("progress", (epoch + 1, done, total)))
-
-    return report
-
-
-def _rank_logger(log_dir: Optional[str], rank: int) -> logging.Logger:
-    log = logging.getLogger(f"raytrain_app.rank{rank}")
-    log.setLevel(logging.INFO)
-    if log_dir and not log.handlers:
-        os.makedirs(log_dir, exist_ok=True)
-        handler = logging.FileHandler(os.path.join(log_dir, f"rank-{rank}.log"))
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-    log.propagate = False
-    return log

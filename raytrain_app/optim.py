@@ -34,3 +34,17 @@ def build_schedule(optimizer, config: ScheduleConfig, steps_per_epoch: int, epoc
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def load_state(optimizer: torch.optim.Optimizer, scheduler, saved_optimizer: dict, saved_scheduler: dict) -> None:
+    """Restore the saved state (momentum buffers, step counts, position in the schedule) under the
+    config's hyper-parameters: a resumed run reads its config again, so `--set optimizer.lr=...`
+    applies from the restored step on, e.g. to continue below the lr at which a loss went NaN."""
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
+    optimizer.load_state_dict(saved_optimizer)
+    scheduler.load_state_dict(saved_scheduler)
+    scheduler.base_lrs = base_lrs
+    for group, hyper, factor in zip(optimizer.param_groups, configured, scheduler.lr_lambdas):
+        group.update(hyper)
+        group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)

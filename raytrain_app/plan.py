@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -38,9 +39,16 @@ class RunPlan:
         return {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if self.use_gpu else {})}
 
     @property
-    def log_dir(self) -> Optional[str]:
-        """Worker and Ray logs are written where the driver can also read them: local run dirs only."""
-        return os.path.join(self.run_dir, "logs") if storage.is_local(self.run_dir) else None
+    def log_dir(self) -> str:
+        """Where this process writes the driver's and Ray's logs: RUN_DIR/logs, or for a run
+        directory on object storage a local folder uploaded there at the end (`upload_logs`)."""
+        if storage.is_local(self.run_dir):
+            return os.path.join(self.run_dir, "logs")
+        return os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}", "logs", os.path.basename(self.run_dir))
+
+    def upload_logs(self) -> None:
+        if not storage.is_local(self.run_dir) and os.path.isdir(self.log_dir):
+            storage.upload(self.log_dir, storage.join(self.run_dir, "logs"))
 
 
 def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = False,

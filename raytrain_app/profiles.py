@@ -26,6 +26,9 @@ class RuntimeEnv:
     env_vars: dict = field(default_factory=dict)
     # Never uploaded from working_dir (gitignore-style patterns).
     excludes: list = field(default_factory=lambda: [".git", ".venv", "venv", "runs", "__pycache__", "*.pt"])
+    # The most working_dir may hold once excludes are taken out, checked before anything is sent
+    # (Ray refuses packages of 512 MiB and more, but only after the whole upload).
+    max_upload_mb: float = 500.0
 
 
 @dataclass
@@ -95,6 +98,22 @@ class ClusterProfile:
                 raise UserError(f"{self.source}: cannot read the token file {path} named by auth.token_file") from None
         return None
 
+    def job_env_vars(self) -> dict[str, str]:
+        """runtime_env.env_vars with `${NAME}` taken from this machine's environment at submit time,
+        so that a profile can pass credentials on (`AWS_SECRET_ACCESS_KEY: ${AWS_SECRET_ACCESS_KEY}`)
+        without holding them."""
+
+        def expand(key: str, value) -> str:
+            def lookup(found: re.Match) -> str:
+                if found.group(1) not in os.environ:
+                    raise UserError(f"{self.source}: runtime_env.env_vars.{key} names ${{{found.group(1)}}}, "
+                                    f"which is not set here")
+                return os.environ[found.group(1)]
+
+            return _ENV_REF.sub(lookup, str(value))
+
+        return {key: expand(key, value) for key, value in self.runtime_env.env_vars.items()}
+
     def auth_headers(self) -> dict:
         token = self.token()
         return {"Authorization": f"Bearer {token}"} if token else {}
@@ -113,6 +132,7 @@ _RULES = [
     ("launcher", lambda p: not p.launcher or not p.is_local, "unset for address: local (cluster up starts it directly)"),
 ]
 
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 
 

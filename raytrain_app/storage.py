@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain_app.errors import UserError
+from raytrain_app.errors import UserError, last_line
 
 
 def filesystem_for(path: str) -> tuple[pafs.FileSystem, str]:
@@ -36,7 +37,10 @@ def join(base: str, *parts: str) -> str:
 
 def exists(path: str) -> bool:
     fs, p = filesystem_for(path)
-    return fs.get_file_info(p).type != pafs.FileType.NotFound
+    try:
+        return fs.get_file_info(p).type != pafs.FileType.NotFound
+    except (OSError, pa.ArrowException) as e:  # an object store refusing us: credentials, endpoint
+        raise UserError(f"cannot read {path}: {explain(e)}") from None
 
 
 def write_text(path: str, text: str) -> None:
@@ -49,10 +53,31 @@ def write_text(path: str, text: str) -> None:
     fs.move(tmp, p)
 
 
-def read_text(path: str) -> str:
+def read_bytes(path: str) -> bytes:
     fs, p = filesystem_for(path)
     with fs.open_input_stream(p) as f:
-        return f.read().decode()
+        return f.read()
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode()
+
+
+def upload(local_path: str, path: str) -> None:
+    """Copy a local file or directory to `path` (a local path or URI)."""
+    fs, p = filesystem_for(path)
+    fs.create_dir(p if os.path.isdir(local_path) else posixpath.dirname(p), recursive=True)
+    pafs.copy_files(local_path, p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+def checkpoint_uri(run_dir: str, checkpoint) -> str:
+    """Where a Ray checkpoint is, for the user and for `storage` calls.
+
+    Ray hands a checkpoint back as (filesystem, path inside it): on S3 `bucket/runs/x/checkpoint_...`,
+    which is no path on this machine. Ray Train keeps checkpoints directly in the run directory,
+    so the run directory's own URI names them.
+    """
+    return join(run_dir, posixpath.basename(checkpoint.path.rstrip("/")))
 
 
 def check_writable(run_dir: str) -> None:
@@ -66,4 +91,22 @@ def check_writable(run_dir: str) -> None:
         if not existed:  # a run that fails before it starts leaves no empty directory behind
             fs.delete_dir(path.rsplit("/", 1)[0])
     except (OSError, pa.ArrowException) as e:
-        raise UserError(f"storage {run_dir} is not writable: {e}") from None
+        raise UserError(f"storage {run_dir} is not writable: {explain(e)}") from None
+
+
+_AWS_ERROR = re.compile(r"AWS Error (\w+) during \w+ operation: ?(.*?)(?: \(Request ID: [^)]*\))?\s*$", re.S)
+_REFUSED = {"ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN"}
+
+
+def explain(e: BaseException) -> str:
+    """An object store's error in a few words: the AWS error code and its message, not the
+    SDK's request ids; refused credentials say where credentials come from."""
+    found = _AWS_ERROR.search(str(e))
+    if not found:
+        return last_line(e)
+    code, detail = found.group(1), found.group(2).strip().rstrip(".")
+    text = code + (f": {detail}" if detail and detail != "No response body" else "")
+    if code in _REFUSED:
+        text += (" (check the credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY here, and the profile's "
+                 "runtime_env.env_vars for jobs)")
+    return text

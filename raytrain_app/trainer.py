@@ -6,9 +6,9 @@ while `fit()` runs, prints them, and keeps `metrics.jsonl` in the run directory 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import re
 import threading
 import time
 from contextlib import suppress
@@ -18,18 +18,16 @@ from typing import Optional
 import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2.api.callback import UserCallback
 from ray.util.queue import Empty, Queue
 
 from raytrain_app import storage
 from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
-from raytrain_app.errors import TrainingFailed, UserError, last_line
-from raytrain_app.loop import train_loop_per_worker
+from raytrain_app.errors import (TrainingFailed, UserError, describe, describe_rank, last_line, process_died,
+                                  timed_out)
+from raytrain_app.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.plan import RunPlan
-
-# Ray Train polls its workers every 2 s by default, which adds up to that much to every start
-# and finish; polling a handful of local actors more often is cheap.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @dataclass
@@ -55,14 +53,12 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
 
-    # One timeout for both layers: torch's process group (TorchConfig below) and Ray Train's own
-    # collectives such as the barrier inside ray.train.report, which has none by default.
-    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(config.scaling.timeout_s)
+    _ray_train_settings(config)
     events = Queue()
+    args = WorkerArgs(job=config.to_dict(), run_dir=plan.run_dir, events=events, progress=progress,
+                      log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd())
     trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"job": config.to_dict(), "events": events, "progress": progress,
-                           "log_dir": plan.log_dir, "cwd": os.getcwd()},
+        functools.partial(train_loop_per_worker, args),
         scaling_config=ray.train.ScalingConfig(num_workers=config.scaling.workers, use_gpu=plan.use_gpu,
                                                resources_per_worker=plan.resources_per_worker,
                                                placement_strategy=config.scaling.placement),
@@ -71,6 +67,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
             name=os.path.basename(plan.run_dir),
             storage_path=os.path.dirname(plan.run_dir),
             failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            callbacks=[RestartNotices(events, plan.run_dir, config.failure.max_failures)],
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=config.checkpoint.keep,
                 checkpoint_score_attribute=config.checkpoint.metric,
@@ -94,27 +91,45 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     finally:
         listener.stop()
         ray.kill(events.actor)
-    best_checkpoint, best_metrics = _best(result.best_checkpoints or [], config.checkpoint)
+    if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
+        raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
+    best, best_metrics = _best(result.best_checkpoints or [], config.checkpoint)
     return RunResult(
         run_dir=plan.run_dir,
         history=history.rows(),
-        best_checkpoint=best_checkpoint,
+        best_checkpoint=storage.checkpoint_uri(plan.run_dir, best) if best else None,
         best_metrics=best_metrics,
-        last_checkpoint=result.checkpoint.path if result.checkpoint else None,
+        last_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
         wall_s=time.perf_counter() - t0,
         metrics=result.metrics or {},
     )
 
 
-def _best(checkpoints: list, config: CheckpointConfig) -> tuple[Optional[str], Optional[dict]]:
-    if not checkpoints:
-        return None, None
-    scored = [(c, m) for c, m in checkpoints if m.get(config.metric) == m.get(config.metric)]  # not NaN
+def _best(checkpoints: list, config: CheckpointConfig) -> tuple[Optional[ray.train.Checkpoint], Optional[dict]]:
+    scored = [(c, m) for c, m in checkpoints if not m.get("mid_epoch")]
     if not scored:
         return None, None
     pick = max if config.mode == "max" else min
-    checkpoint, metrics = pick(scored, key=lambda cm: cm[1][config.metric])
-    return checkpoint.path, metrics
+    return pick(scored, key=lambda cm: cm[1][config.metric])
+
+
+def _ray_train_settings(config: JobConfig) -> None:
+    """Settings Ray Train reads only from the driver's environment when a run starts (and passes on
+    to its controller and workers)."""
+    # One timeout for both layers: torch's process group (TorchConfig) and Ray Train's own
+    # collectives such as the barrier inside ray.train.report, which has none by default.
+    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(config.scaling.timeout_s)
+    # Workers stay where Ray started them, in a job's uploaded working_dir (or move to the launch
+    # directory, see WorkerArgs.cwd), instead of Ray Train's per-run scratch directory.
+    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
+    # Ray Train polls its workers every 2 s by default, which adds up to that much to every start
+    # and finish; polling a handful of actors more often is cheap.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+def shipped_working_dir() -> bool:
+    """Inside a Ray job that uploaded a working_dir, every worker already runs in its own copy of it."""
+    return bool(ray.get_runtime_context().runtime_env.get("working_dir"))
 
 
 def check_resources(plan: RunPlan) -> None:
@@ -157,6 +172,7 @@ class EventListener(threading.Thread):
         super().__init__(daemon=True)
         self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
         self.marks, self.startup_file = marks, startup_file
+        self.nonfinite: Optional[dict] = None  # where the workers stopped at a non-finite loss
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -176,18 +192,58 @@ class EventListener(threading.Thread):
     def _handle(self, kind: str, payload) -> None:
         if kind == "progress":
             self.progress.update(*payload)
-        elif kind == "startup":
+            return
+        if kind == "nonfinite":
+            self.nonfinite = payload
+            return
+        self.progress.close()
+        if kind == "startup":
             phases = startup_phases({**self.marks, **payload})
             storage.write_text(self.startup_file, json.dumps(phases, indent=1) + "\n")
-            self.progress.close()
             self.echo(startup_line(phases))
         elif kind == "notice":
-            self.progress.close()
             self.echo(f"warning: {payload}")
-        else:
+        elif kind == "info":
+            self.echo(payload)
+        elif kind == "epoch":
             self.log.add(payload)
-            self.progress.close()
             self.echo(epoch_line(payload, self.epochs))
+
+
+class RestartNotices(UserCallback):
+    """In Ray Train's controller: one console line when a worker fails and the group restarts.
+
+    Ray's own account of a dead worker is a paragraph printed by the driver (kept in driver.log);
+    this says which rank failed, where, why, and which checkpoint the restart continues from.
+    Failures past `failure.max_failures` end the run and are explained by `_explain` instead.
+    """
+
+    def __init__(self, events: Queue, run_dir: str, max_failures: int):
+        self.events, self.run_dir, self.max_failures = events, run_dir, max_failures
+        self.failures = 0
+        self.latest: Optional[str] = None
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if checkpoint is not None:
+            self.latest = storage.checkpoint_uri(self.run_dir, checkpoint)
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        self.failures += 1
+        if self.max_failures != -1 and self.failures > self.max_failures:
+            return
+        # A rank whose process died is the cause; the others' broken collectives are the effect.
+        died = [r for r, e in worker_exceptions.items() if process_died(e)]
+        rank = min(died or worker_exceptions)
+        limit = "unlimited" if self.max_failures == -1 else self.max_failures
+        self.events.put(("notice", f"{describe_rank(rank, worker_exceptions[rank])}; restarting from "
+                                   f"{self.latest or 'the start'} (restart {self.failures} of {limit})"))
+
+
+def _nonfinite_message(where: dict, latest) -> str:
+    then = ("the latest checkpoint is the last good one: lower optimizer.lr and --resume" if latest else
+            "no checkpoint was saved before it: lower optimizer.lr and start again")
+    return (f"the training loss was not finite at epoch {where['epoch']}, step {where['step']} "
+            f"(lr {where['lr']:.3g}); {then} (train.stop_on_nonfinite: false trains on regardless)")
 
 
 def _explain(error: ray.train.TrainingFailedError, config: JobConfig) -> Exception:
@@ -196,37 +252,12 @@ def _explain(error: ray.train.TrainingFailedError, config: JobConfig) -> Excepti
     if failures and all(isinstance(e, UserError) for e in failures.values()):
         return UserError(last_line(next(iter(failures.values()))))
     if not failures:
-        return TrainingFailed(_describe(getattr(error, "controller_failure", error)))
-    clauses = [f"rank {rank}{_where(e)}: {_describe(e)}" for rank, e in sorted(failures.items())]
-    waiting = sorted(rank for rank, e in failures.items() if _TIMEOUT.search(str(e)))
+        return TrainingFailed(describe(getattr(error, "controller_failure", error)))
+    clauses = [describe_rank(rank, e) for rank, e in sorted(failures.items())]
+    waiting = sorted(rank for rank, e in failures.items() if timed_out(e))
     if waiting:
         stalled = sorted(set(range(config.scaling.workers)) - set(failures))
         clauses.insert(0, f"a collective timed out after {config.scaling.timeout_s}s (scaling.timeout_s): "
-                          f"rank(s) {_ranks(waiting)} were waiting; "
-                          f"rank(s) {_ranks(stalled) if stalled else 'unknown'} stalled")
+                          f"rank(s) {', '.join(map(str, waiting))} were waiting; "
+                          f"rank(s) {', '.join(map(str, stalled)) or 'unknown'} stalled")
     return TrainingFailed("; ".join(clauses))
-
-
-_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def _where(e: BaseException) -> str:
-    """" on IP (pid N)" from what Ray's worker errors say about the process."""
-    text = str(e)
-    ip = re.search(r"\bip[=:]\s*([0-9a-fA-F.:]+[0-9a-fA-F])", text)
-    pid = re.search(r"\bpid[=:]\s*(\d+)", text)
-    return (f" on node {ip.group(1)}" if ip else "") + (f" (pid {pid.group(1)})" if pid else "")
-
-
-def _describe(e: BaseException) -> str:
-    """`Type: message` for a plain exception; the last line for one that carries a traceback;
-    Ray's exit detail for a worker process that died."""
-    died = re.search(r"Worker exit detail: ([^\n]+?)(?: The (?:process|worker)|$)", str(e), re.MULTILINE)
-    if died:
-        return f"worker process died: {died.group(1).strip()}"
-    line = last_line(e)
-    return line if "\n" in str(e).strip() else f"{type(e).__name__}: {line}"

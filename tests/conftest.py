@@ -15,10 +15,13 @@ def running_clusters(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(s3):
     import ray
 
     os.chdir(REPO)  # workers import "tests.helpers" from the driver's working directory
+    # Workers inherit this environment: the object store's endpoint and credentials, and what the
+    # embedded cluster of `train` turns off (Ray Train's preemption watcher and metrics).
+    os.environ.update(s3.env, RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0", RAY_TRAIN_METRICS_ENABLED="0")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     yield ray
@@ -32,3 +35,14 @@ def running(pid: int) -> bool:
             return f.read().rsplit(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3-compatible server (moto) on loopback, with one bucket and real credential checks."""
+    from tests.objectstore import start_moto
+
+    proc, store = start_moto(str(tmp_path_factory.mktemp("moto") / "moto.log"))
+    yield store
+    proc.terminate()
+    proc.wait(timeout=30)

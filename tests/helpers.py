@@ -48,18 +48,22 @@ def index_data(train_size: int = 20, eval_size: int = 5):
 
 
 class Recorder(nn.Module):
-    """Appends every training batch's sample indices to out_dir/rank-R.txt, one line per batch."""
+    """Appends every training batch's sample indices to out_dir/rank-R.txt, one line per batch,
+    and the dropout mask the batch drew to out_dir/dropout-R.txt."""
 
     def __init__(self, out_dir: str):
         super().__init__()
         self.out_dir = out_dir
         self.linear = nn.Linear(1, 2)
+        self.dropout = nn.Dropout(0.5)
 
     def forward(self, x):
         if self.training and x.shape[0] > 1:
             rank = ray.train.get_context().get_world_rank()
             with open(os.path.join(self.out_dir, f"rank-{rank}.txt"), "a") as f:
                 f.write(" ".join(str(int(v)) for v in x[:, 0]) + "\n")
+            with open(os.path.join(self.out_dir, f"dropout-{rank}.txt"), "a") as f:
+                f.write("".join("1" if v else "0" for v in self.dropout(torch.ones(32))) + "\n")
         return self.linear(x * 0.01)
 
 
@@ -70,7 +74,8 @@ def recorder(out_dir: str) -> nn.Module:
 class Fault(nn.Module):
     """Injects a real fault on training forward call `at` of rank `rank`, once (while `marker` exists):
 
-    crash: raise an exception; kill: SIGKILL this worker process; stall: sleep for an hour.
+    crash: raise an exception; kill: SIGKILL this worker process; stall: sleep for an hour;
+    nan: return NaN outputs (a loss that goes NaN on this rank alone).
     """
 
     def __init__(self, inner: nn.Module, marker: str, at: int, rank: int, fault: str):
@@ -85,6 +90,8 @@ class Fault(nn.Module):
                 if self.fault == "crash":
                     raise RuntimeError("injected crash")
                 os.unlink(self.marker)  # once: the restarted worker must not fault again
+                if self.fault == "nan":
+                    return self.inner(x) * float("nan")
                 if self.fault == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(3600)

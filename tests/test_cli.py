@@ -23,7 +23,12 @@ def cli(*args, timeout=300):
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cli") / "digits"
-    return run_dir, cli("train", "examples/digits.yaml", "--workers", "2", "--run-dir", str(run_dir))
+    return run_dir, cli("train", "examples/digits.yaml", "--workers", "2", "--run-dir", str(run_dir), *KEEP_WORST)
+
+
+# Keep the checkpoints with the *lowest* accuracy: with accuracy rising, the best by the metric and
+# the latest are then different checkpoints, so keeping by the metric shows.
+KEEP_WORST = ("--set", "checkpoint.every_epochs=1", "--set", "checkpoint.mode=min")
 
 
 def test_digits_example_trains_to_95_percent(digits_run):
@@ -38,13 +43,23 @@ def test_digits_example_trains_to_95_percent(digits_run):
     assert (run_dir / "logs" / "rank-1.log").exists() and (run_dir / "logs" / "driver.log").exists()
 
 
+def test_startup_json_breaks_the_first_step_down(digits_run):
+    run_dir, proc = digits_run
+    phases = json.loads((run_dir / "startup.json").read_text())
+    assert list(phases) == ["imports+checks", "cluster", "worker group", "data+model", "first step", "total"]
+    assert all(value >= 0 for value in phases.values())
+    parts = sum(value for key, value in phases.items() if key != "total")
+    assert 0.5 * phases["total"] < parts <= phases["total"] + 0.01  # the gaps between phases are small
+    assert f"first step after {phases['total']:.1f}s (imports+checks {phases['imports+checks']:.1f}s" in proc.stdout
+
+
 def test_keeps_the_best_checkpoints_by_the_metric(digits_run):
     run_dir, _ = digits_run
     rows = {r["epoch"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     kept = {torch.load(p, weights_only=True)["epoch"] for p in run_dir.glob("checkpoint_*/state.pt")}
-    saved = [4, 8, 12]  # checkpoint.every_epochs: 4; keep: 2 by eval_accuracy, plus the latest
-    best_two = sorted(saved, key=lambda e: rows[e]["eval_accuracy"])[-2:]
-    assert kept == set(best_two) | {12}
+    best_two = set(sorted(rows, key=lambda e: rows[e]["eval_accuracy"])[:2])  # keep: 2, mode: min
+    assert best_two != {11, 12}  # the test means something only if best and latest differ
+    assert kept == best_two | {12}  # the best two by the metric, plus the latest
 
 
 def test_console_holds_only_our_lines(digits_run):
@@ -60,9 +75,14 @@ def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
     run_dir, _ = digits_run
     proc = cli("train", "examples/digits.yaml", "--run-dir", str(run_dir))
     assert proc.returncode == 2 and "pass --resume" in proc.stderr
-    proc = cli("train", "examples/digits.yaml", "--run-dir", str(run_dir), "--resume")
+    proc = cli("train", "examples/digits.yaml", "--run-dir", str(run_dir), "--resume", "--set", "train.epochs=13",
+               *KEEP_WORST)
     assert proc.returncode == 0, proc.stderr
-    assert "epochs               12" in proc.stdout  # nothing left to train: the run is complete
+    assert re.search(r"^resumed from \S+ at step \d+: epoch 13 from batch 0$", proc.stdout, re.MULTILINE), proc.stdout
+    assert [line.split("|")[0].strip() for line in proc.stdout.splitlines() if line.startswith("epoch ")] == [
+        "epoch 13/13"]  # the one new epoch; the twelve before it were not trained again
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == list(range(1, 14))
 
 
 def test_a_crash_exits_1_naming_the_rank_and_its_error(tmp_path):
@@ -94,3 +114,18 @@ def test_user_errors_are_one_line_and_exit_2(args, message):
     assert message in proc.stderr and TRACEBACK not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert time.monotonic() - start < 30
+
+
+def test_an_unexpected_error_is_one_line_and_keeps_its_traceback(capsys):
+    from raytrain_app.cli import _command
+
+    with pytest.raises(SystemExit) as exited:
+        with _command():
+            {}["no such key"]  # any bug, wherever it is raised
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    found = re.fullmatch(r"error: internal error, KeyError: 'no such key' \(at test_cli\.py:\d+; "
+                         r"traceback in (\S+)\)\n", err)
+    assert found, err
+    kept = open(found.group(1)).read()
+    assert kept.startswith("Traceback (most recent call last)") and "KeyError: 'no such key'" in kept

@@ -5,6 +5,7 @@ import yaml
 
 from raytrain_app.config import JobConfig, dump_yaml, load_config
 from raytrain_app.errors import ConfigError
+from raytrain_app.profiles import load_profile
 
 
 def write(tmp_path, text: str):
@@ -75,3 +76,18 @@ def test_missing_file_is_a_config_error(tmp_path):
 
 def test_from_dict_defaults_match_dataclass_defaults():
     assert JobConfig.from_dict({}) == JobConfig()
+
+
+@pytest.mark.parametrize("text, value", [("1e-3", 1e-3), ("1E-3", 1e-3), ("3e4", 3e4), (".5", 0.5),
+                                         ("-2e-5", -2e-5)])
+def test_floats_as_ml_users_write_them(tmp_path, text, value):
+    """YAML 1.1 reads `1e-3` (no dot) as a string; files, --set and profiles read it as Python does."""
+    positive = text.lstrip("-")
+    in_file = load_config(write(tmp_path, f"optimizer: {{lr: {positive}}}\nmodel: {{args: {{scale: {text}}}}}\n"))
+    assert in_file.optimizer.lr == abs(value) and isinstance(in_file.optimizer.lr, float)
+    assert in_file.model.args["scale"] == value
+    from_set = load_config(write(tmp_path, ""), [f"optimizer.lr={positive}", f"model.args.scale={text}"])
+    assert from_set.optimizer.lr == abs(value) and from_set.model.args["scale"] == value
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(f"connect_timeout_s: {positive}\n")
+    assert load_profile(str(profile)).connect_timeout_s == abs(value)

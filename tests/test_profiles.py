@@ -1,8 +1,13 @@
 """The shipped cluster profiles parse, and turn cluster shapes into the right worker layout."""
 
 import glob
+import json
+import os
 
+import jsonschema
 import pytest
+import ray
+import yaml
 
 from raytrain_app.config import load_config
 from raytrain_app.errors import UserError
@@ -10,6 +15,9 @@ from raytrain_app.jobs import plan_submission
 from raytrain_app.profiles import load_profile
 
 SHIPPED = sorted(glob.glob("cluster/*.yaml"))
+# Ray's own schema for cluster-launcher files, shipped with Ray.
+with open(os.path.join(os.path.dirname(ray.__file__), "autoscaler", "ray-schema.json")) as _f:
+    RAY_LAUNCHER_SCHEMA = json.load(_f)
 
 
 def test_all_four_profiles_ship():
@@ -21,8 +29,17 @@ def test_shipped_profiles_load(path):
     profile = load_profile(path)
     if profile.launcher:
         with open(profile.path(profile.launcher)) as f:
-            assert "cluster_name:" in f.read()
+            launcher = yaml.safe_load(f)
+        jsonschema.validate(launcher, RAY_LAUNCHER_SCHEMA)  # what `ray up` checks before it starts anything
     assert profile.jobs_address.startswith("http://127.0.0.1:")  # dashboards stay on loopback
+
+
+def test_the_launcher_schema_catches_mistakes():
+    with open("cluster/launcher/onprem.yaml") as f:
+        launcher = yaml.safe_load(f)
+    for key, value in (("min_workers", 1), ("max_workers", "one"), ("provider", {"tipe": "local"})):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**launcher, key: value}, RAY_LAUNCHER_SCHEMA)
 
 
 def test_gpu_cluster_gets_one_nccl_worker_per_gpu():

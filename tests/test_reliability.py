@@ -1,7 +1,10 @@
-"""Faults made to happen for real on a real Ray cluster: a worker SIGKILLed mid-epoch, a rank that
-stalls inside a step, damaged and hostile checkpoint files."""
+"""Faults made to happen for real on a real Ray cluster: a worker SIGKILLed mid-epoch, a crash and
+--resume, a rank that stalls inside a step, damaged and hostile checkpoint files, a loss that
+goes NaN on one rank."""
 
+import errno
 import hashlib
+import math
 import os
 import pickle
 import re
@@ -26,25 +29,57 @@ def faulty(marker, at, fault, rank=1, **sections):
     return job(model=model, data={"name": "digits"}, **{"train": {"epochs": 2, "batch_size": 32}, **sections})
 
 
-def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(tmp_path):
-    marker = tmp_path / "fault"
-    config = faulty(marker, at=40, fault="kill", checkpoint={"every_steps": 5}, failure={"max_failures": 1})
-    straight = run(config, tmp_path / "straight")  # no marker: never faults
+def step_checkpointed(marker, fault):
+    """Step checkpoints every 5 steps: call 40 is epoch 2's 17th batch, after checkpoints at steps 25,
+    30 and 35 (epoch 2, batches 2, 7, 12). Ray registers a reported checkpoint asynchronously, so a
+    restart resumes from whichever of them was registered last, always mid-epoch."""
+    return faulty(marker, at=40, fault=fault, checkpoint={"every_steps": 5}, failure={"max_failures": 1})
 
-    # Call 40 is epoch 2's 17th batch; step checkpoints were taken at steps 25, 30 and 35 (epoch 2,
-    # batches 2, 7, 12). Ray registers a reported checkpoint asynchronously, so the restart resumes
-    # from whichever of them was registered last, always mid-epoch.
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run the faulty ones must reproduce bitwise (no marker: it never faults)."""
+    return run(step_checkpointed(tmp_path_factory.mktemp("never") / "marker", "kill"),
+               tmp_path_factory.mktemp("straight") / "run")
+
+
+def resumed_at(log: str) -> tuple[int, int, int, str]:
+    """(step, epoch, batch) from the log's "resumed from" line, and the log after it."""
+    before, _, after = log.partition("resumed from ")
+    step, epoch, batch = map(int, re.match(r"\S+ at step (\d+): epoch (\d+) from batch (\d+)", after).groups())
+    return step, epoch, batch, after
+
+
+def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path):
+    marker = tmp_path / "fault"
     marker.touch()
-    killed = run(config, tmp_path / "killed")
+    killed = run(step_checkpointed(marker, "kill"), tmp_path / "killed")
     assert not marker.exists()  # the fault really happened
-    log = (tmp_path / "killed" / "logs" / "rank-1.log").read_text()
-    epoch, step, batch = map(int, re.search(r"resumed from .* at epoch (\d+), step (\d+), batch (\d+)", log).groups())
-    assert epoch == 1 and step in (25, 30, 35) and batch == step - 23
+    step, epoch, batch, _ = resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())
+    assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
 
     assert [row["epoch"] for row in killed.history] == [1, 2]
     for name, w in final_weights(straight).items():
         assert torch.equal(final_weights(killed)[name], w), name
     assert killed.history[-1]["train_loss"] == pytest.approx(straight.history[-1]["train_loss"], rel=1e-12)
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(straight, tmp_path):
+    marker = tmp_path / "fault"
+    marker.touch()
+    crashing = faulty(marker, at=40, fault="crash", checkpoint={"every_steps": 5})  # no restarts
+    with pytest.raises(TrainingFailed, match="injected crash"):
+        run(crashing, tmp_path / "crashed")
+    marker.unlink()
+    resumed = run(crashing, tmp_path / "crashed", resume=True)
+
+    # It continued inside epoch 2 from its last step checkpoint, and epoch 1 was not trained again.
+    step, epoch, batch, after = resumed_at((tmp_path / "crashed" / "logs" / "rank-0.log").read_text())
+    assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
+    assert re.findall(r" INFO epoch (\d+) ", after) == ["2"]
+    assert [row["epoch"] for row in resumed.history] == [1, 2]
+    for name, w in final_weights(straight).items():
+        assert torch.equal(final_weights(resumed)[name], w), name
 
 
 def test_failures_beyond_the_limit_name_the_rank_its_node_and_its_error(tmp_path):
@@ -57,48 +92,55 @@ def test_failures_beyond_the_limit_name_the_rank_its_node_and_its_error(tmp_path
 def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(tmp_path):
     marker = tmp_path / "fault"
     marker.touch()
+    config = faulty(marker, at=3, fault="stall", scaling={"timeout_s": 5})
+    lines = []
     start = time.monotonic()
     with pytest.raises(TrainingFailed, match=r"a collective timed out after 5s .* rank\(s\) 0 were waiting; "
                                              r"rank\(s\) 1 stalled"):
-        run(faulty(marker, at=3, fault="stall", scaling={"timeout_s": 5}), tmp_path / "run")
-    assert time.monotonic() - start < 90
+        run_training(make_plan(config, run_dir=str(tmp_path / "run")), echo=lines.append,
+                     marks={"start": time.time()})
+    failed_after = time.monotonic() - start
+    started_after = float(re.search(r"first step after ([\d.]+)s", "\n".join(lines)).group(1))
+    # Two steps, then rank 1 stalls: rank 0 gives up 5 s later, and Ray stops the worker group.
+    assert 5 <= failed_after - started_after <= 5 + STALL_SLACK_S, (started_after, failed_after)
 
 
-def test_a_damaged_checkpoint_is_reported_and_skipped(tmp_path):
+# Detecting a failed worker (Ray Train polls every 0.5 s), stopping the worker group and two
+# steps of training, on a busy 2-core machine.
+STALL_SLACK_S = 6
+
+
+def test_damaged_and_hostile_checkpoints_are_reported_and_skipped(tmp_path):
     config = job(data={"name": "digits"}, train={"epochs": 3, "batch_size": 64}, checkpoint={"keep": 3})
-    first = run(config, tmp_path / "run")
-    latest = first.last_checkpoint
-    with open(os.path.join(latest, "state.pt"), "r+b") as f:
+    run(config, tmp_path / "run")
+    first, second, third = sorted(str(d) for d in (tmp_path / "run").glob("checkpoint_*") if d.is_dir())
+    with open(os.path.join(third, "state.pt"), "r+b") as f:
         f.truncate(100)  # a torn write
 
-    lines = []
-    longer = job(data={"name": "digits"}, train={"epochs": 4, "batch_size": 64}, checkpoint={"keep": 3})
-    resumed = run_training(make_plan(longer, run_dir=str(tmp_path / "run"), resume=True), echo=lines.append)
-    assert any(line.startswith(f"warning: skipping checkpoint {latest}: state.pt does not match its checksum")
-               for line in lines)
-    assert [row["epoch"] for row in resumed.history] == [1, 2, 3, 4]  # epoch 3 re-run from epoch 2's state
-
-
-def test_a_hostile_checkpoint_cannot_run_code(tmp_path):
-    config = job(data={"name": "digits"}, train={"epochs": 2, "batch_size": 64}, checkpoint={"keep": 2})
-    first = run(config, tmp_path / "run")
     pwned = tmp_path / "pwned"
 
     class Exploit:
         def __reduce__(self):
             return (os.system, (f"touch {pwned}",))
 
-    state = os.path.join(first.last_checkpoint, "state.pt")
+    state = os.path.join(second, "state.pt")
     with open(state, "wb") as f:
         pickle.dump(Exploit(), f)
     with open(state + ".sha256", "w") as f:  # even with a matching checksum
         f.write(hashlib.sha256(open(state, "rb").read()).hexdigest() + "  state.pt\n")
 
     lines = []
-    longer = job(data={"name": "digits"}, train={"epochs": 3, "batch_size": 64}, checkpoint={"keep": 2})
-    run_training(make_plan(longer, run_dir=str(tmp_path / "run"), resume=True), echo=lines.append)
-    assert not pwned.exists()
-    assert any("skipping checkpoint" in line and "UnpicklingError" in line for line in lines)
+    longer = job(data={"name": "digits"}, train={"epochs": 4, "batch_size": 64}, checkpoint={"keep": 3})
+    resumed = run_training(make_plan(longer, run_dir=str(tmp_path / "run"), resume=True), echo=lines.append)
+    assert f"warning: skipping checkpoint {third}: state.pt does not match its checksum (partial or corrupted write)" \
+        in lines
+    assert any(line.startswith(f"warning: skipping checkpoint {second}: UnpicklingError") for line in lines), lines
+    assert not pwned.exists()  # weights_only refused to run the pickle's code
+    # Epoch 1's checkpoint (12 steps per epoch: 719 rows per rank / 64) took over: epochs 2 to 4 ran again.
+    assert f"resumed from {first} at step 12: epoch 2 from batch 0" in lines
+    assert [line.split("|")[0].strip() for line in lines if line.startswith("epoch ")] == [
+        "epoch 2/4", "epoch 3/4", "epoch 4/4"]
+    assert [row["epoch"] for row in resumed.history] == [1, 2, 3, 4]
 
 
 def test_checkpoint_files_verify_and_detect_damage(tmp_path):
@@ -112,3 +154,61 @@ def test_checkpoint_files_verify_and_detect_damage(tmp_path):
     assert "rank0.pt does not match its checksum" in checkpoint.verify(str(tmp_path), 0)
     (tmp_path / "state.pt.sha256").unlink()
     assert checkpoint.verify(str(tmp_path), 0) == "state.pt.sha256 is missing"
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    state = checkpoint.TrainState(torch.nn.Linear(2, 2), None, None, None)
+    state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
+    state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
+    state.epoch = 1
+    checkpoint.save(str(tmp_path), state, rank=0, config={})
+    before = (tmp_path / "state.pt").read_bytes()
+
+    def disk_full(obj, path):  # half the bytes reach the disk, then the write fails
+        with open(path, "wb") as f:
+            f.write(before[: len(before) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    state.epoch = 2
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(str(tmp_path), state, rank=0, config={})
+    assert (tmp_path / "state.pt").read_bytes() == before  # the previous file, whole
+    assert checkpoint.verify(str(tmp_path), 0) is None and checkpoint.load_state(str(tmp_path))["epoch"] == 1
+    assert not list(tmp_path.glob("*.tmp"))  # and no torn temporary left behind
+
+
+def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
+    marker = tmp_path / "nan"
+    marker.touch()
+    # Rank 1 alone turns NaN at its 30th batch (epoch 2, step 30): the ranks must agree to stop, or
+    # rank 0 would wait in the next all-reduce until scaling.timeout_s.
+    config = faulty(marker, at=30, fault="nan", scaling={"timeout_s": 60}, schedule={"name": "constant"})
+    start = time.monotonic()
+    with pytest.raises(TrainingFailed, match=r"^the training loss was not finite at epoch 2, step 30 \(lr 0\.1\); "
+                                             r"the latest checkpoint is the last good one: lower optimizer\.lr "
+                                             r"and --resume"):
+        run(config, tmp_path / "run")
+    assert time.monotonic() - start < 50  # no rank waited for the collective timeout
+    for rank in (0, 1):
+        log = (tmp_path / "run" / "logs" / f"rank-{rank}.log").read_text()
+        assert "stopped: the training loss was not finite at {'epoch': 2, 'step': 30" in log
+    saved = [checkpoint.load_state(str(d)) for d in (tmp_path / "run").glob("checkpoint_*") if d.is_dir()]
+    assert [(s["epoch"], s["step"]) for s in saved] == [(1, 23)]  # nothing after the bad step was saved
+
+    # --resume with a lower lr continues from that checkpoint, under the new lr.
+    lines = []
+    lower = faulty(marker, at=30, fault="nan", schedule={"name": "constant"}, optimizer={"lr": 0.05})
+    resumed = run_training(make_plan(lower, run_dir=str(tmp_path / "run"), resume=True), echo=lines.append)
+    assert any(re.match(r"resumed from \S+ at step 23: epoch 2 from batch 0$", line) for line in lines), lines
+    assert [row["epoch"] for row in resumed.history] == [1, 2]
+    assert resumed.history[-1]["lr"] == 0.05 and resumed.history[-1]["train_loss"] < resumed.history[0]["train_loss"]
+
+
+def test_stop_on_nonfinite_false_trains_on(tmp_path):
+    marker = tmp_path / "nan"
+    marker.touch()
+    config = faulty(marker, at=30, fault="nan", train={"epochs": 2, "batch_size": 32, "stop_on_nonfinite": False})
+    result = run(config, tmp_path / "run")
+    assert [row["epoch"] for row in result.history] == [1, 2]
+    assert not marker.exists() and math.isnan(result.history[-1]["train_loss"])

@@ -15,11 +15,13 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import requests
 import yaml
 
-from raytrain_app.cluster import cluster_down, cluster_up, node_processes, running_local_cluster
+from raytrain_app.session import ClusterChoice, choose_cluster, running_local_cluster
 from raytrain_app.dashboard import Dashboard
 from raytrain_app.profiles import load_profile
 from tests.conftest import REPO, running
@@ -50,14 +52,39 @@ def write_profile(path, **fields):
 def two_nodes(tmp_path_factory):
     profile_file = write_profile(tmp_path_factory.mktemp("cluster") / "profile.yaml")
     profile = load_profile(profile_file)
-    cluster_up(profile, echo=lambda line: None)
+    up = cli("cluster", "up", profile_file)
+    assert up.returncode == 0, up.stderr
+    leaders = [int(pid) for pid in re.findall(r"node \d up \(\w+, pid (\d+)\)", up.stdout)]
+    assert len(leaders) == 2 and f"cluster '{profile.name}' is up: 2 nodes" in up.stdout
     yield profile_file, profile
-    started = node_processes(profile)  # gcs, raylets, dashboard, workers, job drivers
+
+    started = session_processes(leaders)  # gcs, raylets, dashboard, workers, job drivers
     assert len(started) > 10
-    cluster_down(profile, echo=lambda line: None)
+    # An unrelated process that even calls itself "raylet": `ray stop` would kill it by name.
+    decoy = subprocess.Popen(["bash", "-c", "exec -a raylet sleep 600"], start_new_session=True)
+    down = cli("cluster", "down", profile_file)
+    assert down.returncode == 0 and down.stdout.strip() == f"cluster '{profile.name}' is down (2 node processes stopped)"
     assert running_local_cluster(1, 1, 0) is None  # no longer offered to `train`
     shutil.rmtree(profile.temp_dir, ignore_errors=True)
-    assert not [pid for pid in started if running(pid)]  # all of them, and only they, stopped
+    assert not [pid for pid in started if running(pid)]  # all of them stopped...
+    assert running(decoy.pid)  # ...and only they
+    decoy.kill()
+    decoy.wait()
+
+
+def session_processes(leaders: list[int]) -> set[int]:
+    """Every process in the sessions these leaders lead, and their descendants."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), int(fields[3]))
+    found = {pid for pid, (_, sid) in table.items() if sid in leaders}
+    while more := {pid for pid, (ppid, _) in table.items() if ppid in found} - found:
+        found |= more
+    return found
 
 
 def ray_cli_env(profile):
@@ -71,40 +98,44 @@ def test_cluster_status_shows_both_nodes(two_nodes):
     assert "2 nodes, 2 CPUs, 0 GPUs" in proc.stdout and "head" in proc.stdout and "worker" in proc.stdout
 
 
-def test_submit_follows_to_success_with_workers_on_both_nodes(two_nodes):
-    profile_file, profile = two_nodes
-    proc = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--set", "train.epochs=2")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id, run_dir = re.search(r"submitted (\S+) to .*run directory (\S+)", proc.stdout).groups()
-    assert f"job {job_id} succeeded" in proc.stdout and "epoch 2/2" in proc.stdout
+def ray_cli(profile, *args):
+    """Ray's own `ray job ...` command against the profile's cluster, with its token."""
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", *args,
+                           "--address", profile.jobs_address], capture_output=True, text=True,
+                          env=ray_cli_env(profile), timeout=60)
+    return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
 
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["world_size"] == 2
-    nodes = {re.search(r"on node (\w+)", open(os.path.join(run_dir, "logs", f"rank-{r}.log")).read()).group(1)
-             for r in (0, 1)}
-    assert len(nodes) == 2  # one machine, one IP: the Ray node ids tell the nodes apart
 
-    ray = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", "status", job_id,
-                          "--address", profile.jobs_address], capture_output=True, text=True,
-                         env=ray_cli_env(profile), timeout=60)
-    said = re.sub(r"\x1b\[[0-9;]*m", "", ray.stdout + ray.stderr)
-    assert ray.returncode == 0 and f"'{job_id}' succeeded" in said.lower()
+def submit_long_job(profile_file) -> str:
+    proc = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--set", "train.epochs=500", "--no-wait")
+    assert proc.returncode == 0, proc.stderr
+    return re.search(r"submitted (\S+)", proc.stdout).group(1)
+
+
+def wait_for_log(job_id, profile_file, pattern) -> None:
+    deadline = time.monotonic() + 120
+    while not re.search(pattern, logs := cli("logs", job_id, "--cluster", profile_file).stdout, re.MULTILINE):
+        assert time.monotonic() < deadline, logs
+        time.sleep(2)
 
 
 def test_status_logs_and_stop_on_a_long_job(two_nodes):
     profile_file, profile = two_nodes
-    proc = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--set", "train.epochs=500",
-               "--no-wait")
-    assert proc.returncode == 0, proc.stderr
-    job_id = re.search(r"submitted (\S+)", proc.stdout).group(1)
-
-    deadline = time.monotonic() + 120
-    while not re.search(r"epoch +1/500", logs := cli("logs", job_id, "--cluster", profile_file).stdout):
-        assert time.monotonic() < deadline, logs
-        time.sleep(2)
+    job_id = submit_long_job(profile_file)
+    wait_for_log(job_id, profile_file, r"epoch +1/500")
+    code, said = ray_cli(profile, "logs", job_id)  # Ray's own command reads the same job
+    assert code == 0 and re.search(r"epoch +1/500", said)
     assert cli("status", job_id, "--cluster", profile_file).stdout.startswith(f"{job_id}: RUNNING")
     listed = cli("list", "--cluster", profile_file).stdout
     assert re.search(rf"{job_id}\s+RUNNING", listed)
+    assert running_local_cluster(1, 1, 0) is None  # `train` does not join a cluster that runs a job
+
+    # A second job starts and waits for the workers' CPUs; Ray's own `ray job stop` stops it.
+    waiting = submit_long_job(profile_file)
+    wait_for_log(waiting, profile_file, r"^run \S+: 2 workers")
+    code, said = ray_cli(profile, "stop", waiting)
+    assert code == 0, said
+    assert "STOPPED" in cli("status", waiting, "--cluster", profile_file).stdout
 
     stopped = cli("stop", job_id, "--cluster", profile_file)
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"{job_id}: STOPPED"
@@ -122,10 +153,38 @@ def test_train_reuses_the_running_local_cluster(two_nodes, tmp_path):
     assert len(nodes) == 2
     assert len(Dashboard.for_profile(profile).alive_nodes()) == 2  # joined, not stopped
 
-    # A job its 1-CPU nodes cannot hold (3 workers, a 2-CPU worker, a GPU) gets an embedded cluster instead.
+    # A job its 1-CPU nodes cannot hold (3 workers, a 2-CPU worker, a GPU) gets an embedded cluster instead,
+    # and so does --address local, always.
     assert running_local_cluster(2, 1, 0).name == profile.name
+    assert choose_cluster(None, 2, 1, 0) == ClusterChoice(
+        f"127.0.0.1:{profile.local.port}", profile.token(),
+        f"using the running local cluster '{profile.name}' (--address local starts a fresh one)")
+    assert choose_cluster("local", 2, 1, 0) == ClusterChoice()  # address None: embedded
+    assert choose_cluster("10.0.0.1:6379", 2, 1, 0) == ClusterChoice("10.0.0.1:6379")
     for workers, cpus, gpus in ((3, 1, 0), (1, 2, 0), (1, 1, 1)):
         assert running_local_cluster(workers, cpus, gpus) is None
+
+
+def test_the_dashboard_and_jobs_api_listen_on_loopback_only(two_nodes):
+    _, profile = two_nodes
+    port = profile.local.dashboard_port
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    others = [a for a in re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", subprocess.run(
+        ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout) if not a.startswith("127.")]
+    if not others:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    for address in others:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, port), timeout=5)
+
+
+def test_the_token_file_is_private_and_the_jobs_api_needs_the_token(two_nodes):
+    _, profile = two_nodes
+    assert os.stat(os.path.expanduser(profile.auth.token_file)).st_mode & 0o777 == 0o600
+    url = f"{profile.jobs_address}/api/jobs/"
+    assert requests.get(url, headers=profile.auth_headers(), timeout=10).status_code == 200
+    assert requests.get(url, timeout=10).status_code in (401, 403)
+    assert requests.get(url, headers={"Authorization": "Bearer " + "0" * 64}, timeout=10).status_code in (401, 403)
 
 
 def test_more_gpus_than_the_cluster_has_fails_within_seconds(two_nodes):
@@ -194,3 +253,131 @@ def test_dry_run_shows_the_plan_and_masks_secrets(tmp_path):
     assert "SPREAD" in out and "train - --address auto" in out and str(tmp_path / "storage") in out
     assert "hunter2" not in out and '"WANDB_API_KEY": "****"' in out and '"NCCL_DEBUG": "INFO"' in out
     assert not os.path.exists(tmp_path / "storage")  # nothing submitted, nothing written
+
+
+PROJECT_MODELS = '''
+from torch import nn
+
+
+def build(input_shape, num_classes, hidden: int = 16):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+'''
+
+PROJECT_DATA = '''
+import os
+
+from raytrain_app.data.parquet import parquet
+
+
+def build(path, eval_fraction, split_seed):
+    # Runs in the uploaded copy of the project on every node: what `excludes` names never arrives.
+    if os.path.exists("scratch/huge.bin"):
+        raise RuntimeError("excluded file was uploaded")
+    if os.environ.get("RTPROJ_FAIL"):
+        raise RuntimeError("asked to fail on the cluster")
+    return parquet(path, eval_fraction, split_seed)
+'''
+
+
+@pytest.fixture
+def project(tmp_path, two_nodes):
+    """A user's project folder: their own model and data modules, a data file named by a relative
+    path, a scratch folder that must not be uploaded, and a profile that ships the folder."""
+    from tests.helpers import write_parquet
+
+    _, profile = two_nodes
+    root = tmp_path / "project"
+    (root / "data").mkdir(parents=True)
+    (root / "scratch").mkdir()
+    (root / "rtproj_models.py").write_text(PROJECT_MODELS)
+    (root / "rtproj_data.py").write_text(PROJECT_DATA)
+    write_parquet(root / "data" / "table.parquet", n=120)
+    (root / "scratch" / "huge.bin").write_bytes(os.urandom(3 << 20))
+    (root / "job.yaml").write_text(yaml.safe_dump({
+        "name": "project", "model": {"name": "rtproj_models:build", "args": {"hidden": 8}},
+        "data": {"name": "rtproj_data:build", "args": {"path": "data/table.parquet"}},
+        "train": {"epochs": 2, "batch_size": 16}}))
+    return root, profile
+
+
+def project_profile(root, profile, **fields):
+    return write_profile(root / "profile.yaml", local=vars(profile.local), auth={"token_file": profile.auth.token_file},
+                         **fields)
+
+
+def test_submit_ships_the_users_code_to_both_nodes_with_storage_on_s3(project, s3, tmp_path):
+    root, profile = project
+    # Credentials reach the job through the profile, named, never written into it.
+    profile_file = project_profile(root, profile, storage=f"s3://{s3.bucket}/submitted", runtime_env={
+        "working_dir": ".", "excludes": ["scratch/"],
+        "env_vars": {name: f"${{{name}}}" for name in s3.env}})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", str(root / "job.yaml"),
+                           "--cluster", profile_file], cwd=elsewhere, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, **s3.env})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    job_id, run_dir = re.search(r"submitted (\S+) to .*run directory (\S+)", proc.stdout).groups()
+    assert run_dir == f"s3://{s3.bucket}/submitted/{job_id}" and f"job {job_id} succeeded" in proc.stdout
+    assert re.search(rf"best checkpoint +{run_dir}/checkpoint_", proc.stdout)
+
+    rows = [json.loads(line) for line in s3.client().get_object(
+        Bucket=s3.bucket, Key=f"submitted/{job_id}/metrics.jsonl")["Body"].read().decode().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["world_size"] == 2
+    logs = [s3.client().get_object(Bucket=s3.bucket, Key=f"submitted/{job_id}/logs/rank-{r}.log")["Body"].read()
+            .decode() for r in (0, 1)]
+    assert len({re.search(r"on node (\w+)", log).group(1) for log in logs}) == 2  # a rank on each node
+    assert "epoch 2/2" in proc.stdout  # --follow streamed the job's console
+    code, said = ray_cli(profile, "status", job_id)  # Ray's own command sees the same job
+    assert code == 0 and f"'{job_id}' succeeded" in said.lower()
+
+
+def test_a_job_that_fails_on_the_cluster_fails_submit_with_its_one_line_error(project):
+    root, profile = project
+    profile_file = project_profile(root, profile, runtime_env={
+        "working_dir": ".", "excludes": ["scratch/"], "env_vars": {"RTPROJ_FAIL": "1"}})
+    proc = cli("submit", str(root / "job.yaml"), "--cluster", profile_file)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    job_id = re.search(r"submitted (\S+)", proc.stdout).group(1)
+    assert ("error: data: 'rtproj_data:build' could not be built: RuntimeError: asked to fail on the cluster"
+            in proc.stdout.splitlines())
+    assert proc.stdout.splitlines()[-1] == f"job {job_id} failed" and "Traceback" not in proc.stdout
+    code, said = ray_cli(profile, "status", job_id)
+    assert code == 0 and "failed" in said.lower()
+
+
+def test_submit_warns_when_a_module_would_not_be_shipped(project):
+    root, profile = project
+    profile_file = project_profile(root, profile)  # no working_dir: rtproj_models stays on this machine
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", profile_file,
+                           "--dry-run"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    warnings = proc.stderr.splitlines()
+    assert len(warnings) == 2  # the model's module and the data's, one line each
+    assert warnings[0] == (f"warning: model.name 'rtproj_models:build' imports rtproj_models from {root}, which the "
+                           f"job does not upload: set runtime_env.working_dir in {profile_file} to a folder that "
+                           f"holds it (or install it on the cluster)")
+    shipped = project_profile(root, profile, runtime_env={"working_dir": "."})
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", shipped,
+                           "--dry-run"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_an_upload_too_large_is_one_line_before_submitting(project):
+    root, profile = project
+    profile_file = project_profile(root, profile, runtime_env={"working_dir": ".", "max_upload_mb": 1})
+    jobs_before = cli("list", "--cluster", profile_file).stdout
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", profile_file],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"error: {profile_file}: runtime_env.working_dir {root} holds 3.0 MiB to upload, over "
+                           f"runtime_env.max_upload_mb (1): add large files to runtime_env.excludes or a .rayignore\n")
+    assert time.monotonic() - start < 15
+    assert cli("list", "--cluster", profile_file).stdout == jobs_before  # nothing was submitted
+    # The same folder with the scratch space excluded fits.
+    (root / ".rayignore").write_text("scratch/\n")
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", profile_file,
+                           "--dry-run"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

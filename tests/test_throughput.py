@@ -1,25 +1,28 @@
 """The throughput machinery without Ray: device-resident batches, loader sizing, FLOPs, MFU, the
 epoch time split, and torch.compile alone and under DDP over two Gloo ranks."""
 
+import copy
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_app.checkpoint import TrainState
 from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig
-from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
+from raytrain_app.data import (Datasets, build_datasets, eval_loader, keep_on_device, loader_workers, to_device,
+                               train_loader)
+from raytrain_app.data.arrays import flip_and_crop
 from raytrain_app.errors import UserError
-from raytrain_app.loop import Precision, _compiled, evaluate, seed_everything, train_epoch
+from raytrain_app.loop import Precision, evaluate, seed_everything, train_epoch
 from raytrain_app.metrics import peak_flops, time_split, train_flops_per_sample
 from raytrain_app.models import build_model
 from raytrain_app.optim import build_optimizer, build_schedule
+from raytrain_app.strategy import compiled
+from tests.gloo import spawn
 
 CPU = torch.device("cpu")
 
@@ -46,9 +49,41 @@ def test_device_batches_are_the_dataloaders_batches(rank):
         for (xd, yd), (xl, yl) in zip(batches["device"], batches["loader"]):
             assert torch.equal(yd, yl)
             assert torch.equal(xd, xl)
+        # ... and those batches are augmented: the same samples without augmentation differ.
+        plain = copy.copy(data.train)
+        plain.augment = False
+        loader, sampler = train_loader(Datasets(plain, data.eval, data.input_shape, data.num_classes), 32, rank, 2, 7,
+                                       0, False)
+        sampler.set_epoch(epoch)
+        sampler.skip = skip
+        for (xa, ya), (xp, yp) in zip(batches["loader"], loader):
+            assert torch.equal(ya, yp)
+            assert (xa != xp).flatten(1).any(1).float().mean() > 0.5
     ev_device = list(eval_loader(resident, 100, rank, 2, 0, False, resident=True))
     ev_loader = list(eval_loader(data, 100, rank, 2, 0, False))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ev_device, ev_loader))
+
+
+def test_flip_and_crop_flips_half_the_images_and_crops_uniformly():
+    """Each output is one of 2 x 9 x 9 candidates (flipped or not, crop offset 0..8 in each axis
+    of the 4-pixel padded image): find which, and check the draws' statistics."""
+    n, h, pad = 1800, 6, 4
+    torch.manual_seed(0)
+    x = torch.rand(n, 1, h, h) + 1.0  # no zeros: padding shows in a crop
+    out = flip_and_crop(x, pad)
+    found = torch.full((n, 3), -1)
+    for flip in (0, 1):
+        padded = F.pad(x.flip(3) if flip else x, (pad,) * 4)
+        for dy in range(2 * pad + 1):
+            for dx in range(2 * pad + 1):
+                match = (padded[:, :, dy:dy + h, dx:dx + h] == out).flatten(1).all(1)
+                assert not (match & (found[:, 0] >= 0)).any()  # one explanation per output
+                found[match] = torch.tensor([flip, dy, dx])
+    assert (found[:, 0] >= 0).all()  # every output is a flip-and-crop of its input
+    assert 0.45 < found[:, 0].float().mean() < 0.55  # half flipped
+    for axis in (1, 2):  # each of the 9 offsets about n/9 = 200 times
+        counts = torch.bincount(found[:, axis], minlength=2 * pad + 1)
+        assert counts.min() > 140 and counts.max() < 260, counts
 
 
 def test_on_device_choice():
@@ -101,13 +136,13 @@ def test_cuda_graph_modes_fall_back_under_ddp_and_accumulation():
     notices = []
     model = nn.Linear(4, 2)
     cuda = torch.device("cuda")
-    _, graphs = _compiled(model, "reduce-overhead", 1, 1, cuda, notices.append)
+    _, graphs = compiled(model, "reduce-overhead", 1, 1, cuda, notices.append)
     assert graphs and not notices  # world size 1: the whole step can be one CUDA graph
-    _, graphs = _compiled(model, "reduce-overhead", 2, 1, cuda, notices.append)
+    _, graphs = compiled(model, "reduce-overhead", 2, 1, cuda, notices.append)
     assert not graphs and "cannot capture DDP's all-reduce" in notices[-1]
-    _, graphs = _compiled(model, "max-autotune", 1, 4, cuda, notices.append)
+    _, graphs = compiled(model, "max-autotune", 1, 4, cuda, notices.append)
     assert not graphs and "cannot capture gradient accumulation" in notices[-1]
-    assert _compiled(model, "off", 4, 1, CPU, notices.append) == (model, False)
+    assert compiled(model, "off", 4, 1, CPU, notices.append) == (model, False)
 
 
 def _mlp(data) -> nn.Module:
@@ -118,7 +153,7 @@ def _mlp(data) -> nn.Module:
 def _trained(model: nn.Module, batches: list, mode: str, world_size: int = 1, static_graph: bool = False) -> nn.Module:
     """`model` after one pass over `batches` with `train.compile: mode`, under DDP beyond one worker."""
     wrapped = DDP(model, gradient_as_bucket_view=True, static_graph=static_graph) if world_size > 1 else model
-    train_model, _ = _compiled(wrapped, mode, world_size, 1, CPU, print)
+    train_model, _ = compiled(wrapped, mode, world_size, 1, CPU, print)
     opt = build_optimizer(model.parameters(), OptimizerConfig(lr=0.05), world_size=world_size)
     state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), len(batches), 1), None)
     train_epoch(train_model, batches, state, Precision("fp32", CPU), 1, None, CPU)
@@ -133,37 +168,40 @@ def test_compiled_model_trains_like_the_eager_one():
     data = build_datasets(DataConfig(name="digits"))
     loader, _ = train_loader(data, 64, 0, 1, 0, 0, False)
     batches = [b for b, _ in zip(loader, range(5))]
-    eager, compiled = (_trained(_mlp(data), batches, mode) for mode in ("off", "default"))
+    torch._dynamo.reset()
+    eager = _trained(_mlp(data), batches, "off")
+    assert torch._dynamo.utils.counters["frames"]["ok"] == 0
+    compiled = _trained(_mlp(data), batches, "default")
+    assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # dynamo really compiled frames of the step
     precision = Precision("fp32", CPU)
     assert evaluate(compiled, batches, precision, CPU).loss == pytest.approx(
         evaluate(eager, batches, precision, CPU).loss, rel=1e-4)
     np.testing.assert_allclose(_flat(compiled), _flat(eager), rtol=1e-4, atol=1e-5)
 
 
-def _train_compiled_ddp(rank: int, port: int, out_dir: str) -> None:
+def _train_compiled_ddp(rank: int, out_dir: str) -> None:
     """One of two Gloo ranks: the same steps eagerly, compiled, and compiled with a static graph."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     data = build_datasets(DataConfig(name="digits"))
     loader, _ = train_loader(data, 32, rank, 2, 0, 0, False)
     batches = [b for b, _ in zip(loader, range(4))]
     weights = {"init": _flat(_mlp(data))}
     for mode, static in (("off", False), ("default", False), ("default", True)):
+        torch._dynamo.reset()
         weights[f"{mode}-static{static}"] = _flat(_trained(_mlp(data), batches, mode, 2, static))
+        weights[f"{mode}-static{static}-graphs"] = np.array(torch._dynamo.utils.counters["frames"]["ok"])
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **weights)
-    dist.destroy_process_group()
 
 
 def test_compiled_ddp_trains_like_eager_ddp(tmp_path):
     """torch.compile under DDP (graph split at the buckets) over a real two-rank Gloo group: each
     rank trains on its own shard, so equal replicas also show the compiled step all-reduced."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_train_compiled_ddp, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn(_train_compiled_ddp, str(tmp_path))
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
     eager = ranks[0]["off-staticFalse"]
     assert not np.allclose(eager, ranks[0]["init"], atol=1e-3)  # the steps moved the weights
+    np.testing.assert_allclose(ranks[1]["off-staticFalse"], eager, rtol=1e-4, atol=1e-5)  # eager replicas agree
     for weights in ranks:
-        for variant in ("off-staticFalse", "default-staticFalse", "default-staticTrue"):
+        for variant in ("default-staticFalse", "default-staticTrue"):
+            assert weights[f"{variant}-graphs"] > 0  # dynamo really compiled frames of the step
             np.testing.assert_allclose(weights[variant], eager, rtol=1e-4, atol=1e-5)
+        assert weights["off-staticFalse-graphs"] == 0  # and "off" really is eager

@@ -1,0 +1,100 @@
+"""What a worker tells the user: its own log file, and from rank 0 the events the driver prints.
+
+Every rank writes `logs/rank-N.log` in the run directory. On object storage a worker cannot
+append to a remote file, so it writes a local copy and uploads it after every report and when it
+fails; a restarted worker first takes the uploaded log back, so a run keeps one log per rank.
+
+Rank 0 alone sends console events through a Ray queue that the driver drains: start-up marks,
+notices, progress within an epoch, epoch metrics, and a stop at a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from typing import Callable, Optional
+
+from raytrain_app import storage
+from raytrain_app.rayinternals import put_nowait
+
+PROGRESS_INTERVAL_S = 0.5
+
+
+class Reporter:
+    def __init__(self, events, rank: int, log_dir: str, progress: bool):
+        self.events, self.rank, self.progress_on = events, rank, progress and rank == 0
+        self.remote_log = None if storage.is_local(log_dir) else storage.join(log_dir, f"rank-{rank}.log")
+        local_dir = log_dir if self.remote_log is None else tempfile.mkdtemp(prefix="raytrain-log-")
+        os.makedirs(local_dir, exist_ok=True)
+        self.local_log = os.path.join(local_dir, f"rank-{rank}.log")
+        if self.remote_log and storage.exists(self.remote_log):  # a restarted worker continues the log
+            with open(self.local_log, "wb") as f:
+                f.write(storage.read_bytes(self.remote_log))
+        self.log = logging.getLogger(f"raytrain_app.rank{rank}")
+        self.log.setLevel(logging.INFO)
+        self.log.propagate = False
+        for old in list(self.log.handlers):  # a worker process may be reused by a restarted run
+            self.log.removeHandler(old)
+            old.close()
+        handler = logging.FileHandler(self.local_log)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.log.addHandler(handler)
+
+    def info(self, message: str, *args) -> None:
+        """A line for the log only."""
+        self.log.info(message, *args)
+
+    def say(self, message: str) -> None:
+        """A line for the log and, from rank 0, for the console."""
+        self.log.info(message)
+        self._send("info", message)
+
+    def warn(self, message: str) -> None:
+        """A warning for the log and, from rank 0, for the console."""
+        self.log.warning(message)
+        self._send("notice", message)
+
+    def startup(self, marks: dict) -> None:
+        self._send("startup", marks)
+
+    def epoch(self, metrics: dict) -> None:
+        self.log.info("epoch %d %s", metrics["epoch"], metrics)
+        self._send("epoch", metrics)
+
+    def nonfinite(self, where: dict) -> None:
+        self.log.error("stopped: the training loss was not finite at %s", where)
+        self._send("nonfinite", where)
+
+    def failed(self) -> None:
+        """Called from an exception handler: the traceback goes to the log, and the log to storage."""
+        self.log.exception("rank %d failed", self.rank)
+        self.sync()
+
+    def sync(self) -> None:
+        """Copy the log to object storage (no-op for local run directories)."""
+        if self.remote_log:
+            for handler in self.log.handlers:
+                handler.flush()
+            storage.upload(self.local_log, self.remote_log)
+
+    def progress(self, epoch: int, total: int) -> Optional[Callable[[int], None]]:
+        """rank 0's per-batch callback for epoch `epoch` (0-based) of `total` batches, at most one
+        event per PROGRESS_INTERVAL_S and never waiting for the queue; None elsewhere."""
+        if not self.progress_on:
+            return None
+        last = 0.0
+
+        def report(done: int) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= PROGRESS_INTERVAL_S or done == total:
+                last = now
+                put_nowait(self.events, ("progress", (epoch + 1, done, total)))
+
+        return report
+
+    def _send(self, kind: str, payload) -> None:
+        if self.rank == 0:
+            self.events.put((kind, payload))

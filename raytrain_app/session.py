@@ -1,0 +1,148 @@
+"""The Ray cluster a `train` runs on, chosen and connected: a fresh embedded cluster, a local
+cluster that `cluster up` started, or a running cluster at an address.
+
+Never a plain `ray.init()`: it attaches to whatever cluster Ray's temp files name, even a dead
+one, and hangs. An embedded cluster starts with `address="local"`; anything else is joined by
+its address, after a bounded check that something answers there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from raytrain_app.console import route_ray_logs
+from raytrain_app.dashboard import Dashboard
+from raytrain_app.errors import UserError, last_line
+from raytrain_app.localnodes import running_dir, running_pids
+from raytrain_app.profiles import ClusterProfile, load_profile
+from raytrain_app.rayinternals import reload_auth_config, route_raylet_errors, session_logs_dir
+
+CONNECT_TIMEOUT_S = 5
+
+
+@dataclass(frozen=True)
+class ClusterChoice:
+    """Where a run goes. `address` None means a fresh embedded cluster."""
+
+    address: Optional[str] = None
+    token: Optional[str] = None
+    note: Optional[str] = None  # what the user is told about the choice
+
+
+def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
+                   gpus_per_worker: float) -> ClusterChoice:
+    """`--address`: HOST:PORT or `auto` joins that cluster, `local` always starts an embedded one.
+    Without it, a local cluster that `cluster up` started is joined when it is idle and its nodes
+    hold the workers; otherwise an embedded cluster starts."""
+    if address == "local":
+        return ClusterChoice()
+    if address:
+        return ClusterChoice(address)
+    running = running_local_cluster(workers, cpus_per_worker, gpus_per_worker)
+    if running:
+        return ClusterChoice(f"127.0.0.1:{running.local.port}", running.token(),
+                             f"using the running local cluster '{running.name}' (--address local starts a fresh one)")
+    return ClusterChoice()
+
+
+@contextmanager
+def ray_session(choice: ClusterChoice, num_cpus: int, log_dir: Optional[str] = None,
+                verbose: bool = False) -> Iterator[None]:
+    if choice.address is None:
+        with embedded_cluster(num_cpus, log_dir=log_dir, verbose=verbose):
+            yield
+    else:
+        with connected(choice.address, log_dir, verbose, choice.token):
+            yield
+
+
+def running_local_cluster(workers: int, cpus_per_worker: float, gpus_per_worker: float) -> Optional[ClusterProfile]:
+    """A local cluster that `cluster up` started, still up, running no Ray job, and whose nodes
+    hold `workers` whole workers: `train` joins it rather than start its own."""
+    for record in sorted(running_dir().glob("*.json")):
+        with suppress(OSError, ValueError, KeyError, UserError):  # stale, unreadable or unreachable: skip it
+            profile = load_profile(json.loads(record.read_text())["profile"])
+            if running_pids(profile) and _has_room(Dashboard.for_profile(profile), workers, cpus_per_worker,
+                                                   gpus_per_worker):
+                return profile
+    return None
+
+
+def _has_room(dashboard: Dashboard, workers: int, cpus_per_worker: float, gpus_per_worker: float) -> bool:
+    fits = [min(n.cpus // cpus_per_worker, n.gpus // gpus_per_worker if gpus_per_worker else workers)
+            for n in dashboard.alive_nodes()]
+    busy = any(job.status in ("PENDING", "RUNNING") for job in dashboard.jobs().list_jobs())
+    return sum(fits) >= workers and not busy
+
+
+@contextmanager
+def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Optional[str] = None,
+                     verbose: bool = False) -> Iterator[None]:
+    """Start a fresh single-node cluster; never attach to one named in Ray's temp files.
+
+    Ray's own logs are copied into `log_dir/ray` when the cluster stops.
+    """
+    import ray
+
+    # Ray Train's preemption watcher (spot instances) and its Prometheus metrics serve long-lived
+    # clusters; on a one-machine cluster without a dashboard they only add processes to start-up.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
+    route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        log_to_driver=verbose,
+        logging_level=logging.INFO,  # into the handler route_ray_logs installed: a file unless verbose
+    )
+    if not verbose:
+        route_raylet_errors(logging.getLogger("ray").warning)
+    session_logs = session_logs_dir()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if log_dir and os.path.isdir(session_logs):
+            shutil.copytree(session_logs, os.path.join(log_dir, "ray"), dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.sock", "events", "old"))
+
+
+@contextmanager
+def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False,
+              token: Optional[str] = None) -> Iterator[None]:
+    """Join a running cluster by its GCS address; `auto` means $RAY_ADDRESS, which Ray Jobs set."""
+    import ray
+
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            raise UserError("--address auto needs $RAY_ADDRESS (Ray sets it for job entrypoints); name the address")
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:  # ray.init would retry for minutes
+        raise UserError(f"cannot reach the Ray cluster at {address} (HOST:PORT of its GCS): "
+                        f"{e.strerror or e if isinstance(e, OSError) else 'bad address'}") from None
+    if token:
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        reload_auth_config()
+    route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
+    try:
+        ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+        raise UserError(f"cannot join the Ray cluster at {address}: {last_line(e)}") from None
+    if not verbose:
+        route_raylet_errors(logging.getLogger("ray").warning)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,172 @@
+"""Run directories on object storage, through the real command, against a real S3-compatible server
+(moto) on loopback: a run, its resume, a SIGKILLed worker restarting from the bucket, a damaged
+checkpoint object, and storage that refuses us."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import boto3
+import pytest
+import torch
+
+from raytrain_app import checkpoint
+from raytrain_app.config import load_config
+from raytrain_app.plan import make_plan
+from raytrain_app.trainer import run_training
+from tests.conftest import REPO
+
+PREFIX = "runs"
+STEPS_PER_EPOCH = 23  # 1438 digits / 2 ranks / 32
+
+
+def cli(*args, env, timeout=300):
+    return subprocess.run([sys.executable, "-m", "raytrain_app.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **env})
+
+
+def overrides(marker, epochs: int) -> list[str]:
+    """The digits example through a dropout MLP that SIGKILLs rank 1 at its 40th training batch
+    while `marker` exists, with step checkpoints."""
+    return ["data.args={}", "model.name=tests.helpers:faulty_mlp",
+            f"model.args={{marker: '{marker}', at: 40, rank: 1, fault: kill}}", "checkpoint.every_epochs=1",
+            "checkpoint.keep=3", "checkpoint.every_steps=10", f"train.epochs={epochs}"]
+
+
+def train(run_dir, marker, epochs, resume=False, echo=lambda line: None):
+    """The same job through the library, on the session's cluster (whose workers have the object
+    store's credentials in their environment)."""
+    plan = make_plan(load_config("examples/digits.yaml", overrides(marker, epochs)), run_dir=run_dir, resume=resume)
+    return run_training(plan, echo=echo)
+
+
+def latest_checkpoint(s3, run: str) -> str:
+    names = {key.split("/")[2] for key in s3.keys(f"{PREFIX}/{run}/checkpoint_") if key.count("/") == 3}
+    return f"s3://{s3.bucket}/{PREFIX}/{run}/{max(names)}"
+
+
+def weights(s3, run: str, monkeypatch) -> dict:
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    return checkpoint.load_state(latest_checkpoint(s3, run))["model"]
+
+
+def metrics(s3, run: str) -> list[dict]:
+    body = s3.client().get_object(Bucket=s3.bucket, Key=f"{PREFIX}/{run}/metrics.jsonl")["Body"].read().decode()
+    return [json.loads(line) for line in body.splitlines()]
+
+
+def epoch_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("epoch ")]
+
+
+@pytest.fixture(scope="module")
+def straight(s3, ray_cluster, tmp_path_factory):
+    """An uninterrupted 2-epoch run into the bucket (no marker: the model never faults)."""
+    marker = tmp_path_factory.mktemp("s3") / "never"
+    return train(f"s3://{s3.bucket}/{PREFIX}/straight", marker, 2)
+
+
+def test_a_run_lands_in_the_bucket_with_uris_shown(s3, straight):
+    keys = s3.keys(f"{PREFIX}/straight/")
+    for name in ("config.yaml", "metrics.jsonl", "checkpoint_manager_snapshot.json",
+                 "logs/rank-0.log", "logs/rank-1.log"):
+        assert f"{PREFIX}/straight/{name}" in keys, name
+    assert any(re.search(r"/checkpoint_[^/]+/state\.pt$", k) for k in keys)
+    assert [row["epoch"] for row in metrics(s3, "straight")] == [1, 2]
+    for uri in (straight.best_checkpoint, straight.last_checkpoint):
+        assert uri.startswith(f"s3://{s3.bucket}/{PREFIX}/straight/checkpoint_")
+
+
+def test_killed_worker_restarts_from_the_bucket_bitwise(s3, straight, tmp_path, monkeypatch):
+    """Through the command, as a user runs it: the console shows one line of ours for the dead worker."""
+    marker = tmp_path / "kill"
+    marker.touch()
+    sets = [arg for value in [*overrides(marker, 2), "failure.max_failures=1"] for arg in ("--set", value)]
+    proc = cli("train", "examples/digits.yaml", "--run-dir", f"s3://{s3.bucket}/{PREFIX}/killed", *sets, env=s3.env)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()  # the kill really happened
+
+    # One line of ours for the dead worker; Ray's paragraph stays in driver.log.
+    out = proc.stdout + proc.stderr
+    assert re.search(rf"^warning: rank 1 on node \S+ \(pid \d+\): worker process died: [^\n]*; restarting from "
+                     rf"s3://{s3.bucket}/{PREFIX}/killed/checkpoint_\S+ \(restart 1 of 1\)$", out, re.MULTILINE), out
+    assert "(raylet)" not in out and "A worker died" not in out
+    # Checkpoints at steps 20 (epoch 1, batch 20), 23 (the end of epoch 1) and 30 (epoch 2, batch 7)
+    # precede call 40 (epoch 2, batch 17); Ray registers them asynchronously, so the restart takes
+    # one of them.
+    uri, step, epoch, batch = re.search(r"^resumed from (\S+) at step (\d+): epoch (\d+) from batch (\d+)$",
+                                        proc.stdout, re.MULTILINE).groups()
+    assert uri.startswith(f"s3://{s3.bucket}/{PREFIX}/killed/checkpoint_")
+    assert (int(step), int(epoch), int(batch)) in ((20, 1, 20), (23, 2, 0), (30, 2, 7))
+    assert re.search(rf"best checkpoint +s3://{s3.bucket}/{PREFIX}/killed/checkpoint_\S+", proc.stdout)
+    assert [line.split("|")[0].strip() for line in epoch_lines(proc.stdout)] == ["epoch 1/2", "epoch 2/2"]
+
+    for name, w in weights(s3, "straight", monkeypatch).items():
+        assert torch.equal(weights(s3, "killed", monkeypatch)[name], w), name
+    log = s3.client().get_object(Bucket=s3.bucket, Key=f"{PREFIX}/killed/logs/rank-1.log")["Body"].read().decode()
+    assert log.count("rank 1/2 on node") == 2  # both attempts, in one log kept in the bucket
+    assert "resumed from" in log
+
+
+def test_resume_extends_the_run_and_skips_a_damaged_checkpoint_object(s3, straight, tmp_path):
+    run_dir = f"s3://{s3.bucket}/{PREFIX}/straight"
+    marker = tmp_path / "never"
+    lines = []
+    train(run_dir, marker, 3, resume=True, echo=lines.append)
+    assert f"resumed from {straight.last_checkpoint} at step {2 * STEPS_PER_EPOCH}: epoch 3 from batch 0" in lines
+    assert [line.split("|")[0].strip() for line in epoch_lines("\n".join(lines))] == ["epoch 3/3"]  # only the new one
+    assert [row["epoch"] for row in metrics(s3, "straight")] == [1, 2, 3]
+
+    damaged = latest_checkpoint(s3, "straight")
+    key = damaged.split(f"s3://{s3.bucket}/", 1)[1] + "/state.pt"
+    whole = s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+    s3.client().put_object(Bucket=s3.bucket, Key=key, Body=whole[:100])  # a torn upload
+
+    lines = []
+    train(run_dir, marker, 4, resume=True, echo=lines.append)
+    assert f"warning: skipping checkpoint {damaged}: state.pt does not match its checksum (partial or corrupted " \
+           f"write)" in lines
+    restored = re.search(r"^resumed from (\S+) at step (\d+)", "\n".join(lines), re.MULTILINE)
+    assert restored.group(1) != damaged and int(restored.group(2)) < 3 * STEPS_PER_EPOCH
+    assert epoch_lines("\n".join(lines))[-1].startswith("epoch 4/4")
+    assert [row["epoch"] for row in metrics(s3, "straight")] == [1, 2, 3, 4]
+
+
+def read_only_user(s3) -> dict:
+    admin = dict(endpoint_url=s3.endpoint, region_name=s3.region, aws_access_key_id=s3.access_key,
+                 aws_secret_access_key=s3.secret_key)
+    iam = boto3.client("iam", **admin)
+    if not any(u["UserName"] == "reader" for u in iam.list_users()["Users"]):
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"],
+                                                     "Resource": "*"}]}))
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    return {**s3.env, "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing bucket", "storage s3://no-such-bucket/runs/x is not writable: Bucket 'no-such-bucket' not found"),
+    ("wrong secret", "ACCESS_DENIED (check the credentials"),
+    ("unknown key", "ACCESS_DENIED (check the credentials"),
+    ("read-only", "is not writable: ACCESS_DENIED"),
+])
+def test_storage_that_refuses_us_is_one_line_before_ray_starts(s3, case, message):
+    env = {"missing bucket": s3.env, "wrong secret": {**s3.env, "AWS_SECRET_ACCESS_KEY": "wrong"},
+           "unknown key": {**s3.env, "AWS_ACCESS_KEY_ID": "AKIANOBODY"}}.get(case) or read_only_user(s3)
+    bucket = "no-such-bucket" if case == "missing bucket" else s3.bucket
+    ray_tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+    start = time.monotonic()
+    proc = cli("train", "examples/digits.yaml", "--run-dir", f"s3://{bucket}/runs/x",
+               env={**env, "RAY_TMPDIR": ray_tmp}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stdout == ""
+    assert time.monotonic() - start < 15
+    assert os.listdir(ray_tmp) == []  # no Ray session was started
+    assert s3.keys("runs/x") == []  # nothing written
