@@ -17,13 +17,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from raytrain_app.checkpoint import TrainState
 from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig
 from raytrain_app.data import build_datasets, train_loader
-from raytrain_app.loop import Precision, seed_everything, train_epoch
+from raytrain_app.loop import Precision, Step, seed_everything, train_epoch
 from raytrain_app.models import build_model
 from raytrain_app.nonfinite import LossCheck
 from raytrain_app.optim import build_optimizer, build_schedule
+from raytrain_app.state import TrainState
 
 
 def main() -> None:
@@ -55,11 +55,13 @@ def main() -> None:
     state = TrainState(ours, opt, build_schedule(opt, ScheduleConfig(name="constant"), len(loader), 10_000),
                        precision.scaler)
 
-    loss_check = LossCheck(device)  # on by default in every run (train.stop_on_nonfinite)
+    # The non-finite-loss check is on by default in every run (train.stop_on_nonfinite).
+    step = Step(ours, precision, device=device, loss_check=LossCheck(device))
 
     def run_ours(epoch: int) -> None:
         sampler.set_epoch(epoch)
-        train_epoch(ours, loader, state, precision, 1, None, device, loss_check=loss_check)
+        train_epoch(step, loader, state)
+        state.finish_epoch()
 
     # The hand-written loop: index the tensors, normalise, step.
     hand_opt = torch.optim.SGD(hand.parameters(), lr=0.01, momentum=0.9)

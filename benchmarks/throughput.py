@@ -52,12 +52,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain_app.session import embedded_cluster
-from raytrain_app.config import JobConfig, ModelConfig, apply_override
+from raytrain_app.config import ModelConfig, with_overrides
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.errors import UserError
 from raytrain_app.models import build_model
 from raytrain_app.plan import make_plan
-from raytrain_app.trainer import run_training  # also sets Ray Train's health-check interval for both Ray variants
+from raytrain_app.trainer import run_training
 
 SHAPE = [3, 32, 32]
 NUM_CLASSES = 10
@@ -221,11 +221,9 @@ def raytrain_job(name: str, model: str, batch: int, steps: int, epochs: int, wor
 def raytrain_plan(raw: dict, overrides: list[str], run_dir: str):
     """Apply `--set` overrides and plan on the driver, before any cluster starts: a typo fails in a second."""
     try:
-        for expr in overrides:
-            apply_override(raw, expr, "benchmark")
-        return make_plan(JobConfig.from_dict(raw, "benchmark"), run_dir=run_dir, source="benchmark")
-    except UserError as e:  # ConfigError included: one line, not a traceback
-        raise SystemExit(f"error: {e}") from None
+        return make_plan(with_overrides(raw, overrides, "benchmark"), run_dir=run_dir, source="benchmark")
+    except UserError as e:  # ConfigError included: a line per problem, not a traceback
+        raise SystemExit("\n".join(f"error: {line}" for line in e.lines)) from None
 
 
 def median_after_first(values: list[float]) -> float:

@@ -1,9 +1,8 @@
-"""What a checkpoint holds, how it is written safely, and how a worker restores it.
+"""Checkpoint files: written safely, verified, and restored newest-good-first.
 
-Rank 0 writes the training state (`state.pt`); every rank writes its own `rank{N}.pt`: its RNG
-streams (dropout and augmentation draw from per-rank generators) and, for mid-epoch
-checkpoints, its running loss sums. Ray Train merges the ranks' files into one checkpoint
-directory on the run's storage and keeps the best K.
+Rank 0 writes the state every rank shares (`state.pt`); every rank writes what it alone holds
+(`rank{N}.pt`); see `state.py` for what is in them. Ray Train merges the ranks' files into one
+checkpoint directory on the run's storage and keeps the best K.
 
 Safety: each file is written under a temporary name and renamed, with a `.sha256` beside it, so
 a partial or corrupted checkpoint is detected on restore and skipped in favour of the previous
@@ -17,17 +16,14 @@ import hashlib
 import io
 import os
 import posixpath
-import random
 import sys
-from dataclasses import dataclass
 from typing import Callable, Optional
 
-import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from raytrain_app import optim, storage
-from raytrain_app.metrics import Totals
+from raytrain_app import storage
+from raytrain_app.state import TrainState
 
 STATE_FILE = "state.pt"
 
@@ -37,42 +33,10 @@ STATE_FILE = "state.pt"
 WORST_SCORE = {"max": -sys.float_info.max, "min": sys.float_info.max}
 
 
-@dataclass
-class TrainState:
-    """The objects a checkpoint captures: `epoch` counts completed epochs, `batch` the
-    micro-batches done in the epoch under way (non-zero only for a mid-epoch checkpoint)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: Optional[torch.amp.GradScaler]
-    epoch: int = 0
-    step: int = 0
-    batch: int = 0
-    totals: Optional[Totals] = None  # this rank's running train-loss sums in the epoch under way
-    train_time: float = 0.0  # seconds of training already spent in the epoch under way
-
-
-def save(directory: str, state: TrainState, rank: int, config: dict) -> None:
+def save(directory: str, rank: int, state: TrainState, config: dict) -> None:
     if rank == 0:
-        _write(directory, STATE_FILE, {
-            "model": state.model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
-            "scheduler": state.scheduler.state_dict(),
-            "scaler": state.scaler.state_dict() if state.scaler else None,
-            "epoch": state.epoch,
-            "step": state.step,
-            "batch": state.batch,
-            "config": config,
-        })
-    totals = state.totals if state.batch else None
-    _write(directory, f"rank{rank}.pt", {
-        "rng": _rng_state(),
-        "sums": totals.sums.cpu() if totals else None,
-        "samples": totals.samples if totals else 0,
-        "data_wait_s": totals.data_wait_s if totals else 0.0,
-        "train_time": state.train_time,
-    })
+        _write(directory, STATE_FILE, {**state.state_dict(), "config": config})
+    _write(directory, f"rank{rank}.pt", state.rank_state_dict())
 
 
 def restore_latest_good(latest, state: TrainState, rank: int, device: torch.device, run_dir: str,
@@ -119,21 +83,10 @@ def load_state(checkpoint_dir: str) -> dict:
 
 
 def load_into(directory: str, state: TrainState, rank: int, device: torch.device) -> None:
-    saved = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
-    state.model.load_state_dict(saved["model"])
-    optim.load_state(state.optimizer, state.scheduler, saved["optimizer"], saved["scheduler"])
-    if state.scaler and saved["scaler"]:
-        state.scaler.load_state_dict(saved["scaler"])
-    state.epoch, state.step, state.batch = saved["epoch"], saved["step"], saved["batch"]
+    state.load_state_dict(torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True))
     rank_file = os.path.join(directory, f"rank{rank}.pt")
-    if os.path.exists(rank_file):
-        mine = torch.load(rank_file, weights_only=True)
-        _set_rng_state(mine["rng"])
-        if state.batch:
-            state.totals = Totals(device)
-            state.totals.sums.copy_(mine["sums"])
-            state.totals.samples, state.totals.data_wait_s = mine["samples"], mine["data_wait_s"]
-            state.train_time = mine["train_time"]
+    if os.path.exists(rank_file):  # a rank that did not exist when it was written keeps its fresh seed
+        state.load_rank_state_dict(torch.load(rank_file, weights_only=True), device)
 
 
 def _older_than(latest) -> list:
@@ -171,27 +124,3 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _rng_state() -> dict:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-    }
-
-
-def _set_rng_state(saved: dict) -> None:
-    torch.set_rng_state(saved["torch"])
-    if saved["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
-    random.setstate(_tuples(saved["python"]))
-    kind, keys, pos, has_gauss, gauss = saved["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-
-
-def _tuples(value):
-    """weights_only loading may hand back lists where tuples were saved; random.setstate needs tuples."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

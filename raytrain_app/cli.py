@@ -40,36 +40,16 @@ def main() -> None:
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs and worker output.")
 def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, address, verbose):
     """Train CONFIG (a YAML file, or - for standard input) on Ray."""
-    from raytrain_app.config import load_config
-    from raytrain_app.plan import make_plan
+    from raytrain_app.api import fit
 
     sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as on the workers
-    sets = list(overrides)
-    if workers is not None:
-        sets.append(f"scaling.workers={workers}")
-    if gpus_per_worker is not None:
-        sets.append(f"scaling.gpus_per_worker={gpus_per_worker}")
     with _command():
-        plan = make_plan(load_config(config_file, sets), run_dir=run_dir, resume=resume, source=config_file)
-        marks = {"start": STARTED, "planned": time.time()}
-        click.echo(f"run {plan.run_dir}: {plan.config.scaling.workers} workers, {plan.config.scaling.backend}, "
-                   f"{plan.config.train.precision}")
+        result = fit(config_file, overrides=overrides, workers=workers, gpus_per_worker=gpus_per_worker,
+                     run_dir=run_dir, address=address, resume=resume, verbose=verbose,
+                     progress=sys.stdout.isatty(), echo=click.echo, started=STARTED)
         from raytrain_app.report import summary
-        from raytrain_app.session import choose_cluster, ray_session
-        from raytrain_app.trainer import run_training
 
-        s = plan.config.scaling
-        choice = choose_cluster(address, s.workers, s.cpus_per_worker, s.gpus_per_worker)
-        if choice.note:
-            click.echo(choice.note)
-        try:
-            with ray_session(choice, max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999)),
-                             plan.log_dir, verbose):
-                marks["cluster"] = time.time()
-                result = run_training(plan, progress=sys.stdout.isatty(), echo=click.echo, marks=marks)
-        finally:
-            plan.upload_logs()
-        click.echo(summary(plan, result))
+        click.echo(summary(result))
 
 
 PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROFILE",
@@ -88,8 +68,10 @@ PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROF
 @click.option("--follow/--no-wait", default=True, help="Stream the logs and exit with the job's result "
                                                          "(default), or print the id and return.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and submit nothing.")
+@click.option("--skip-checks", is_flag=True, help="Do not build the model and data here first (for data or "
+                                                  "packages that exist only on the cluster).")
 def submit(config_file, profile_file, nodes, gpus_per_node, cpus_per_node, workers_per_node, name, overrides,
-           follow, dry_run):
+           follow, dry_run, skip_checks):
     """Submit CONFIG as a Ray job to the cluster described by PROFILE."""
     from raytrain_app.config import load_config
     from raytrain_app.console import summary_table
@@ -100,14 +82,14 @@ def submit(config_file, profile_file, nodes, gpus_per_node, cpus_per_node, worke
     with _command():
         profile = _profile(profile_file)
         sub = jobs.plan_submission(profile, load_config(config_file, overrides), nodes, gpus_per_node,
-                                   cpus_per_node, workers_per_node, name)
+                                   cpus_per_node, workers_per_node, name, overrides, check_builders=not skip_checks)
         for warning in sub.warnings:
             click.echo(f"warning: {warning}", err=True)
         if dry_run:
             click.echo(summary_table(sub.describe()))
             return
         dashboard = Dashboard.for_profile(profile)
-        jobs.preflight(sub, dashboard)
+        jobs.check_cluster_can_run(sub, dashboard)
         job_id = jobs.submit(sub, dashboard)
         click.echo(f"submitted {job_id} to {profile.jobs_address} ({sub.config.scaling.workers} workers); "
                    f"run directory {sub.run_dir}")
@@ -171,6 +153,37 @@ def list_(profile_file):
     with _command():
         for job in jobs.list_jobs(Dashboard.for_profile(_profile(profile_file))):
             click.echo(f"{job.submission_id or job.job_id}  {job.status.value:<9}  {job.entrypoint[:60]}")
+
+
+@main.group("config")
+def config_():
+    """Inspect job configs: the JSON Schema, and a config as it would run."""
+
+
+@config_.command("schema")
+def config_schema():
+    """Print the job config's JSON Schema (for editors' YAML completion and checks)."""
+    import json
+
+    from raytrain_app.config import JobConfig
+
+    click.echo(json.dumps(JobConfig.model_json_schema(), indent=2))
+
+
+@config_.command("show")
+@click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field; repeatable.")
+@click.option("--workers", type=int, help="Training workers (overrides scaling.workers).")
+@click.option("--gpus-per-worker", type=float, help="GPUs per worker (overrides scaling.gpus_per_worker).")
+def config_show(config_file, overrides, workers, gpus_per_worker):
+    """Print CONFIG resolved: every default filled in, every `auto` decided."""
+    from raytrain_app.config import dump_yaml, load_config
+    from raytrain_app.plan import resolve_auto
+
+    sets = [*overrides, *(f"scaling.{key}={value}" for key, value in
+                          (("workers", workers), ("gpus_per_worker", gpus_per_worker)) if value is not None)]
+    with _command():
+        click.echo(dump_yaml(resolve_auto(load_config(config_file, sets))), nl=False)
 
 
 @main.group()
@@ -239,7 +252,8 @@ class _command:
 
     def __exit__(self, kind, error, tb):
         if isinstance(error, UserError):
-            click.echo(f"error: {error}", err=True)
+            for line in error.lines:
+                click.echo(f"error: {line}", err=True)
             sys.exit(EXIT_USAGE)
         if isinstance(error, TrainingFailed):
             click.echo(f"training failed: {error}", err=True)

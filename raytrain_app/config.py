@@ -1,341 +1,216 @@
-"""The typed job config: one dataclass per concern, loaded from YAML with `--set` overrides.
+"""The typed job config: one pydantic model per concern, read from YAML with `--set` overrides.
 
-Everything a run does is decided here, before Ray starts, so a typo costs a second and a
-clear message instead of a cluster start and a worker traceback. The resolved config is
-saved into the run directory and shipped to every worker as a plain dict.
+Everything a run does is decided here, before Ray starts, so a typo costs a second and a clear
+message instead of a cluster start and a worker traceback. Each constraint sits beside its field
+with the field's description, which the JSON Schema (`raytrain-app config schema`), `config show`
+and the README's config reference all read. Every problem in a file is reported at once, one line
+each, with the line of the YAML it comes from.
+
+The resolved config is saved into the run directory and shipped to every worker as plain data,
+and validated again there.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import sys
-import types
-import typing
-from dataclasses import dataclass, field
+import copy
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Sequence
 
-import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from raytrain_app import yamlfile
-from raytrain_app.errors import ConfigError
-
-
-@dataclass
-class ModelConfig:
-    # A built-in name (lenet, mlp, resnet18) or an import path "pkg.module:build".
-    name: str = "lenet"
-    # Keyword arguments for the builder; checked against its signature.
-    args: dict = field(default_factory=dict)
+from raytrain_app.configfile import ConfigDoc, dumps, read_yaml, validated
 
 
-@dataclass
-class DataConfig:
-    # A built-in name (digits, mnist, fashion_mnist, cifar10, parquet, synthetic) or "pkg.module:build".
-    name: str = "digits"
-    args: dict = field(default_factory=dict)
-    # Datasets without their own test split are split with this fraction and seed.
-    eval_fraction: float = 0.2
-    split_seed: int = 0
-    # DataLoader worker processes per training worker (0: load in the training process; null:
-    # sized to the machine, none for in-memory datasets).
-    loader_workers: Optional[int] = None
-    # Hold an in-memory dataset on the training device (uint8, normalised and augmented there);
-    # auto: on GPUs when it fits in a quarter of the GPU's memory.
-    on_device: Literal["auto", "on", "off"] = "auto"
+class Section(BaseModel):
+    # Strict: a wrong type is an error, not a guess (no "3" for 3, no 2.5 for an integer, no true
+    # for a number); an integer is still a fine float. Frozen: a changed copy goes through
+    # `updated`, which validates it again.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-@dataclass
-class OptimizerConfig:
+Fraction = Annotated[float, Field(ge=0, lt=1)]
+
+
+class ModelConfig(Section):
+    name: str = Field("lenet", description='lenet | mlp | resnet18 | "pkg.module:build"')
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder, checked "
+                                                                   "against its signature before anything starts")
+
+
+class DataConfig(Section):
+    name: str = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | synthetic | '
+                                            '"pkg.module:build"')
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder (see Datasets)")
+    eval_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share for datasets without a test split")
+    split_seed: int = Field(0, description="that split is fixed by this seed")
+    loader_workers: Optional[int] = Field(None, ge=0, description="DataLoader processes per training worker; null: "
+                                                                  "0 for in-memory datasets, else "
+                                                                  "min(4, cpus_per_worker - 1)")
+    on_device: Literal["auto", "on", "off"] = Field("auto", description="hold an in-memory dataset on the training "
+                                                                        "device (auto: on GPUs, when it fits in a "
+                                                                        "quarter of the GPU's memory)")
+
+
+class OptimizerConfig(Section):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    # "linear": multiply lr by the world size (the per-worker batch is fixed, so the global batch grows).
-    scale_lr: Literal["none", "linear"] = "none"
+    lr: float = Field(0.01, gt=0, allow_inf_nan=False, description="learning rate (per step, before scale_lr)")
+    momentum: Fraction = Field(0.9, description="sgd")
+    nesterov: bool = Field(False, description="sgd with momentum > 0")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    betas: Annotated[list[Fraction], Field(min_length=2, max_length=2)] = Field(
+        default_factory=lambda: [0.9, 0.999], description="adam, adamw")
+    scale_lr: Literal["none", "linear"] = Field("none", description="linear: lr x number of workers (the "
+                                                                    "per-worker batch is fixed, so the global "
+                                                                    "batch grows)")
+
+    @model_validator(mode="after")
+    def _nesterov(self):
+        if self.nesterov and not (self.name == "sgd" and self.momentum > 0):
+            raise ValueError("nesterov: true is used only with sgd and momentum > 0")
+        return self
 
 
-@dataclass
-class ScheduleConfig:
-    name: Literal["cosine", "constant"] = "cosine"
-    warmup_epochs: float = 0.0
-    # The cosine decays to lr * min_lr_ratio.
-    min_lr_ratio: float = 0.0
+class ScheduleConfig(Section):
+    name: Literal["cosine", "constant"] = Field("cosine", description="stepped every optimizer step")
+    warmup_epochs: float = Field(0.0, ge=0, allow_inf_nan=False, description="linear warmup from 0 (fractions "
+                                                                             "allowed), at most train.epochs")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decays to lr x min_lr_ratio")
 
 
-@dataclass
-class TrainConfig:
-    epochs: int = 10
-    # Per-worker batch size; the global batch is batch_size * workers * grad_accum_steps.
-    batch_size: int = 64
-    eval_batch_size: int = 256
-    # auto: bf16 autocast on GPUs, fp32 on CPUs.
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    grad_accum_steps: int = 1
-    # Max global gradient norm; null disables clipping.
-    grad_clip: Optional[float] = None
-    sync_batchnorm: bool = False
-    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
-    # channels_last memory format for conv nets; auto: on for GPU workers.
-    channels_last: Literal["auto", "on", "off"] = "auto"
-    # DDP gradient buckets (MB); larger buckets mean fewer, bigger all-reduces.
-    ddp_bucket_cap_mb: float = 25.0
-    # DDP static graph: valid when every step uses the same parameters (no unused branches).
-    ddp_static_graph: bool = False
-    # Stop at the first non-finite training loss (all ranks at one step, exit code 1), keeping the
-    # last good checkpoint as the latest; false trains on.
-    stop_on_nonfinite: bool = True
+class TrainConfig(Section):
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=1, description="per worker; global batch = batch_size x workers x "
+                                                  "grad_accum_steps")
+    eval_batch_size: int = Field(256, ge=1)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU, fp32 on "
+                                                                                   "CPU; fp16 with GradScaler")
+    grad_accum_steps: int = Field(1, ge=1)
+    grad_clip: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description="max global gradient norm")
+    sync_batchnorm: bool = Field(False, description="convert BatchNorm to SyncBatchNorm (GPU workers only)")
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
+        "off", description="torch.compile; the last two use CUDA graphs at 1 GPU worker, graph-free variants "
+                           "under DDP")
+    channels_last: Literal["auto", "on", "off"] = Field("auto", description="channels_last memory format for "
+                                                                            "conv nets (auto: on GPU workers)")
+    ddp_bucket_cap_mb: float = Field(25.0, gt=0, allow_inf_nan=False,
+                                     description="DDP gradient bucket size in MiB (gradients are bucket views: "
+                                                 "no copy); at least 1 with compile and several workers")
+    ddp_static_graph: bool = Field(False, description="DDP static graph, for models that use every parameter every "
+                                                      "step (not with grad_accum_steps > 1 on several workers: "
+                                                      "pytorch/pytorch#143580)")
+    stop_on_nonfinite: bool = Field(True, description="stop every rank at the first NaN/inf training loss (exit 1), "
+                                                      "keeping the last good checkpoint as the latest; false trains "
+                                                      "on")
 
 
-@dataclass
-class CheckpointConfig:
-    every_epochs: int = 1
-    # Also checkpoint every N optimizer steps (0: only at epoch ends); resumes mid-epoch exactly.
-    every_steps: int = 0
-    # Keep the best `keep` checkpoints by `metric` (the latest is always kept too).
-    keep: int = 2
+class CheckpointConfig(Section):
+    every_epochs: int = Field(1, ge=1, description="the last epoch is always checkpointed")
+    every_steps: int = Field(0, ge=0, description="also every N optimizer steps, recording the sampler position "
+                                                  "(0: off)")
+    keep: int = Field(2, ge=1, description="best K by metric; the latest is always kept too")
     metric: Literal["eval_accuracy", "eval_loss", "train_loss"] = "eval_accuracy"
     mode: Literal["max", "min"] = "max"
 
 
-@dataclass
-class ScalingConfig:
-    workers: int = 2
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
-    # auto: nccl when workers have GPUs, gloo otherwise.
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    # Seconds a collective may wait before the process group gives up.
-    timeout_s: int = 600
-    # How Ray places workers on nodes: PACK fills nodes in turn, SPREAD deals workers out across them.
-    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+class ScalingConfig(Section):
+    workers: int = Field(2, ge=1)
+    gpus_per_worker: float = Field(0.0, ge=0, allow_inf_nan=False)
+    cpus_per_worker: float = Field(1.0, gt=0, allow_inf_nan=False)
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl with GPUs, gloo without")
+    timeout_s: int = Field(600, ge=1, description="collective timeout: torch's process group and Ray Train's own "
+                                                  "barriers")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how Ray places workers on nodes (submit sets it from the profile)")
+
+    @model_validator(mode="after")
+    def _nccl_needs_gpus(self):
+        if self.backend == "nccl" and self.gpus_per_worker == 0:
+            raise ValueError("backend: nccl needs GPUs (gpus_per_worker is 0): use gloo or auto")
+        return self
 
 
-@dataclass
-class FailureConfig:
-    # Worker-group restarts Ray Train may make before the run fails.
-    max_failures: int = 0
+class FailureConfig(Section):
+    max_failures: int = Field(0, ge=-1, description="worker-group restarts before the run fails (-1: unlimited)")
 
 
-@dataclass
-class JobConfig:
-    name: str = "job"
-    seed: int = 0
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    failure: FailureConfig = field(default_factory=FailureConfig)
+class JobConfig(Section):
+    name: str = Field("job", description="run name; the default run directory is runs/NAME-TIMESTAMP")
+    seed: int = Field(0, description="model init uses it on every rank; dropout and augmentation use seed + rank")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    failure: FailureConfig = Field(default_factory=FailureConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.strip() or "/" in value:
+            raise ValueError("must be a non-empty name without '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _across_sections(self):
+        problems = []
+        if self.schedule.warmup_epochs > self.train.epochs:
+            problems.append("schedule.warmup_epochs: must be at most train.epochs "
+                            f"({self.train.epochs}), got {self.schedule.warmup_epochs:g}")
+        several = self.scaling.workers > 1
+        # torch.compile splits a DDP model's graph at DDP's buckets, the first of them 1 MiB, and
+        # refuses smaller ones with an AssertionError deep in the first step.
+        if self.train.compile != "off" and several and self.train.ddp_bucket_cap_mb < 1:
+            problems.append("train.ddp_bucket_cap_mb: must be >= 1 when train.compile is on with more than one "
+                            f"worker, got {self.train.ddp_bucket_cap_mb:g}")
+        # torch's DDP with static_graph fails an internal assert on the first backward under
+        # no_sync() (pytorch/pytorch#143580), and accumulation runs its micro-batches under no_sync().
+        if self.train.ddp_static_graph and self.train.grad_accum_steps > 1 and several:
+            problems.append("train.ddp_static_graph: must be false with train.grad_accum_steps > 1 and more than "
+                            "one worker (torch's DDP cannot accumulate gradients under a static graph: "
+                            "pytorch/pytorch#143580)")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
     def to_dict(self) -> dict:
-        return _plain(dataclasses.asdict(self))
+        return self.model_dump(mode="json")
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "<config>") -> "JobConfig":
-        config = _build(cls, raw, "", source)
-        validate(config, _RULES, source)
-        return config
+        return validated(cls, ConfigDoc(raw, source))
 
 
-# Checks that types alone cannot express. Each is (key, predicate, what the value must be).
-_RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
-    ("name", lambda c: bool(c.name.strip()) and "/" not in c.name, "a non-empty name without '/'"),
-    ("data.eval_fraction", lambda c: 0.0 < c.data.eval_fraction < 1.0, "between 0 and 1"),
-    ("data.loader_workers", lambda c: c.data.loader_workers is None or c.data.loader_workers >= 0, ">= 0 or null"),
-    ("optimizer.lr", lambda c: c.optimizer.lr > 0, "> 0"),
-    ("optimizer.momentum", lambda c: 0 <= c.optimizer.momentum < 1, "in [0, 1)"),
-    ("optimizer.weight_decay", lambda c: c.optimizer.weight_decay >= 0, ">= 0"),
-    ("optimizer.betas", lambda c: all(0 <= b < 1 for b in c.optimizer.betas), "two values in [0, 1)"),
-    ("optimizer.nesterov", lambda c: not c.optimizer.nesterov or (c.optimizer.name == "sgd" and c.optimizer.momentum > 0),
-     "used only with sgd and momentum > 0"),
-    ("train.epochs", lambda c: c.train.epochs >= 1, ">= 1"),
-    ("train.batch_size", lambda c: c.train.batch_size >= 1, ">= 1"),
-    ("train.eval_batch_size", lambda c: c.train.eval_batch_size >= 1, ">= 1"),
-    ("train.grad_accum_steps", lambda c: c.train.grad_accum_steps >= 1, ">= 1"),
-    ("train.grad_clip", lambda c: c.train.grad_clip is None or c.train.grad_clip > 0, "> 0 or null"),
-    ("train.ddp_bucket_cap_mb", lambda c: c.train.ddp_bucket_cap_mb > 0, "> 0"),
-    # torch.compile splits a DDP model's graph at DDP's buckets, the first of them 1 MiB, and
-    # refuses smaller buckets with an AssertionError deep in the first step.
-    ("train.ddp_bucket_cap_mb",
-     lambda c: c.train.compile == "off" or c.scaling.workers == 1 or c.train.ddp_bucket_cap_mb >= 1,
-     ">= 1 when train.compile is on with more than one worker"),
-    # torch's DDP with static_graph fails an internal assert on the first backward under no_sync()
-    # (pytorch/pytorch#143580), and gradient accumulation runs its micro-batches under no_sync().
-    ("train.ddp_static_graph",
-     lambda c: not c.train.ddp_static_graph or c.train.grad_accum_steps == 1 or c.scaling.workers == 1,
-     "false with train.grad_accum_steps > 1 and more than one worker (torch's DDP cannot accumulate "
-     "gradients under a static graph: pytorch/pytorch#143580)"),
-    ("schedule.warmup_epochs", lambda c: 0 <= c.schedule.warmup_epochs <= c.train.epochs, "in [0, train.epochs]"),
-    ("schedule.min_lr_ratio", lambda c: 0 <= c.schedule.min_lr_ratio <= 1, "in [0, 1]"),
-    ("checkpoint.every_epochs", lambda c: c.checkpoint.every_epochs >= 1, ">= 1"),
-    ("checkpoint.keep", lambda c: c.checkpoint.keep >= 1, ">= 1"),
-    ("checkpoint.every_steps", lambda c: c.checkpoint.every_steps >= 0, ">= 0"),
-    ("scaling.workers", lambda c: c.scaling.workers >= 1, ">= 1"),
-    ("scaling.gpus_per_worker", lambda c: c.scaling.gpus_per_worker >= 0, ">= 0"),
-    ("scaling.cpus_per_worker", lambda c: c.scaling.cpus_per_worker > 0, "> 0"),
-    ("scaling.backend", lambda c: c.scaling.backend != "nccl" or c.scaling.gpus_per_worker > 0,
-     "gloo or auto when scaling.gpus_per_worker is 0 (nccl needs GPUs)"),
-    ("scaling.timeout_s", lambda c: c.scaling.timeout_s >= 1, ">= 1"),
-    ("failure.max_failures", lambda c: c.failure.max_failures >= -1, ">= 0, or -1 for unlimited"),
-]
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read a YAML job file ("-": standard input), apply `key.sub=value` overrides, type-check."""
+    return _with_overrides(read_yaml(path), overrides)
 
 
-def validate(config: Any, rules: list, source: str) -> None:
-    """Apply (key, predicate, what the value must be) rules; the first that fails is the error."""
-    for key, ok, must in rules:
-        if not ok(config):
-            value = config
-            for part in key.split("."):
-                value = getattr(value, part)
-            raise ConfigError(f"{source}: {key} must be {must}, got {_show(value)}")
+def with_overrides(raw: dict, overrides: Sequence[str] = (), source: str = "<config>") -> JobConfig:
+    """A config from plain data, with `key.sub=value` overrides applied, type-checked."""
+    return _with_overrides(ConfigDoc(copy.deepcopy(raw), source), overrides)
 
 
-def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
-    """Read a YAML job file, apply `key.sub=value` overrides, and type-check the result."""
-    raw, source = read_yaml(path)
+def _with_overrides(doc: ConfigDoc, overrides: Sequence[str]) -> JobConfig:
+    defaults = JobConfig().to_dict()
     for expr in overrides:
-        apply_override(raw, expr, source)
-    return JobConfig.from_dict(raw, source)
+        doc.override(expr, defaults)
+    return validated(JobConfig, doc)
 
 
-def read_yaml(path: str | Path) -> tuple[dict, str]:
-    """The top-level mapping of a YAML file ("-": standard input), or a ConfigError naming the file and problem."""
-    source = str(path)
-    try:
-        text = sys.stdin.read() if source == "-" else Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {source}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {source}: {e}") from None
-    try:
-        raw = yamlfile.loads(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{source}: malformed YAML{where}: {problem}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {_kind(raw)}")
-    return raw, source
-
-
-def parse(cls: type, raw: dict, source: str):
-    """Build dataclass `cls` from a raw mapping with the same checks as the job config."""
-    return _build(cls, raw, "", source)
-
-
-def apply_override(raw: dict, expr: str, source: str) -> None:
-    """Apply one `a.b.c=value` to the raw dict; the value is parsed as YAML (`3`, `true`, `[1, 2]`)."""
-    key, sep, text = expr.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not sep or not key or not all(p.strip() for p in parts):
-        raise ConfigError(f"bad --set expression {expr!r}: expected KEY=VALUE, e.g. train.epochs=5")
-    try:
-        value = yamlfile.loads(text) if text.strip() else ""
-    except yaml.YAMLError:
-        raise ConfigError(f"bad --set expression {expr!r}: the value is not valid YAML") from None
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{source}: --set {key}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
+def updated(config: JobConfig, changes: dict, source: str = "<config>") -> JobConfig:
+    """A copy with `changes` (nested sections as dicts) merged in, validated again."""
+    return validated(JobConfig, ConfigDoc(_merge(config.to_dict(), changes), source))
 
 
 def dump_yaml(config: JobConfig) -> str:
-    return yamlfile.dumps(config.to_dict())
+    return dumps(config.to_dict())
 
 
-# ---- typed construction -------------------------------------------------------------------
-
-
-def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {_kind(raw)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in raw:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
-    values = {name: _coerce(hints[name], raw[name], prefix + name, source) for name in fields if name in raw}
-    return cls(**values)
-
-
-def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
-    """Check `value` against the annotation `tp`, converting only where no information is lost."""
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".", source)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, value, key, source)
-    if origin is Literal:
-        if isinstance(value, bool) and {"on", "off"} <= set(args):
-            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as true/false
-        if value not in args:
-            choices = ", ".join(str(a) for a in args)
-            raise ConfigError(f"{source}: {key} must be one of {choices}; got {_show(value)}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{source}: {key} must be a list of {len(args)} values, got {_show(value)}")
-        return tuple(_coerce(a, v, f"{key}[{i}]", source) for i, (a, v) in enumerate(zip(args, value)))
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key} must be a mapping, got {_kind(value)}")
-        return value
-    return check_scalar(tp, value, key, source)
-
-
-def check_scalar(tp: type, value: Any, key: str, source: str) -> Any:
-    """bool, int, float and str, strictly: no `True` for an int, no "3" for a float."""
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-        value = float(value) if ok else value
-    elif tp is str:
-        ok = isinstance(value, str)
-    else:
-        ok = isinstance(value, tp)
-    if not ok:
-        where = f"{source}: " if source else ""
-        raise ConfigError(f"{where}{key} must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {_show(value)}")
-    return value
-
-
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", type(None): "nothing"}.get(type(value), type(value).__name__)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _plain(value: Any) -> Any:
-    """Tuples become lists so the YAML dump stays readable and safe_load can read it back."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def _merge(base: dict, changes: dict) -> dict:
+    merged = dict(base)
+    for key, value in changes.items():
+        nested = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = _merge(base[key], value) if nested else value
+    return merged

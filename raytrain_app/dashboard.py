@@ -6,24 +6,14 @@ Everything here goes through Ray's own HTTP endpoints (`/api/version`, the state
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import requests
 
+from raytrain_app.capacity import Node
 from raytrain_app.console import route_ray_logs
 from raytrain_app.errors import UserError
 from raytrain_app.profiles import ClusterProfile
-
-
-@dataclass
-class Node:
-    node_id: str
-    ip: str
-    alive: bool
-    is_head: bool
-    cpus: float
-    gpus: float
 
 
 class Dashboard:
@@ -35,7 +25,7 @@ class Dashboard:
     def for_profile(cls, profile: ClusterProfile) -> "Dashboard":
         return cls(profile.jobs_address, profile.auth_headers(), profile.connect_timeout_s)
 
-    def get(self, path: str) -> dict:
+    def get(self, path: str):
         try:
             response = requests.get(self.address + path, headers=self.headers, timeout=self.timeout_s)
         except requests.RequestException:
@@ -60,6 +50,11 @@ class Dashboard:
 
     def alive_nodes(self) -> list[Node]:
         return [n for n in self.nodes() if n.alive]
+
+    def busy(self) -> bool:
+        """Whether a Ray job (submitted, or a driver that joined) is pending or running; asked over
+        HTTP, so that Ray is not loaded before a `train` sets its auth variables."""
+        return any(job.get("status") in ("PENDING", "RUNNING") for job in self.get("/api/jobs/"))
 
     def jobs(self):
         """Ray's JobSubmissionClient for this address, made once, after a bounded reachability check."""

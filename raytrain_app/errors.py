@@ -10,14 +10,19 @@ import re
 
 
 class UserError(Exception):
-    """A problem the user can fix: bad config, missing file, impossible request."""
+    """A problem the user can fix: bad config, missing file, impossible request. Each of `lines`
+    is one problem on one line (a config file may hold several)."""
 
-    def __init__(self, message: str = ""):
-        super().__init__(one_line(message))
+    def __init__(self, *lines: str):
+        self.lines = [one_line(line) for line in lines] or [""]
+        super().__init__("\n".join(self.lines))
+
+    def __reduce__(self):  # across Ray, as the lines they are
+        return type(self), tuple(self.lines)
 
 
 class ConfigError(UserError):
-    """A job config that does not parse, type-check or validate."""
+    """A job config or profile that does not parse, type-check or validate."""
 
 
 class TrainingFailed(Exception):

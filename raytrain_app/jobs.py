@@ -1,4 +1,4 @@
-"""Jobs on a profile's cluster through the Ray Jobs API: plan, preflight, submit, follow, manage.
+"""Jobs on a profile's cluster through the Ray Jobs API: plan, check, submit, follow, manage.
 
 A submitted job runs the same `train` command on the cluster (`train - --address auto`), with
 the resolved job config carried in the job's runtime_env. Ray's `ray job status/logs/stop`
@@ -8,20 +8,22 @@ see the same submission id.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import shlex
+import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 from raytrain_app import storage
-from raytrain_app.config import JobConfig, dump_yaml
+from raytrain_app.capacity import check_shape_fits
+from raytrain_app.config import JobConfig, dump_yaml, updated
 from raytrain_app.dashboard import Dashboard
 from raytrain_app.errors import UserError, last_line
-from raytrain_app.plan import resolve_auto
+from raytrain_app.plan import check_data_and_model, resolve_auto
 from raytrain_app.profiles import ClusterProfile, mask
 from raytrain_app.shipping import check_upload_size, unshipped_imports
 
@@ -63,8 +65,10 @@ class Submission:
 
 def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[int] = None,
                     gpus_per_node: Optional[int] = None, cpus_per_node: Optional[int] = None,
-                    workers_per_node: Optional[int] = None, name: Optional[str] = None) -> Submission:
-    """Turn the cluster shape into workers: one per GPU, or `workers_per_node` per CPU node."""
+                    workers_per_node: Optional[int] = None, name: Optional[str] = None,
+                    overrides: Sequence[str] = (), check_builders: bool = True) -> Submission:
+    """Turn the cluster shape into workers (one per GPU, or `workers_per_node` per CPU node), check
+    on this machine what `train` would check on the cluster, and say what the job will carry."""
     nodes = profile.nodes if nodes is None else nodes
     gpus = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     cpus = profile.cpus_per_node if cpus_per_node is None else cpus_per_node
@@ -76,23 +80,32 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     per_node = gpus or (workers_per_node or 1)
     if per_node < 1 or (not gpus and cpus < per_node):
         raise UserError(f"--workers-per-node {per_node} needs at least that many CPUs per node (--cpus-per-node {cpus})")
-    scaling = dataclasses.replace(
-        config.scaling,
-        workers=nodes * per_node,
-        gpus_per_worker=1.0 if gpus else 0.0,
+    shape = f"{nodes} nodes x {per_node} workers"
+    scaling = {
+        "workers": nodes * per_node,
+        "gpus_per_worker": 1.0 if gpus else 0.0,
         # CPU workers take a node's CPUs in equal parts, so exactly `per_node` fit on each node.
-        cpus_per_worker=config.scaling.cpus_per_worker if gpus else float(cpus // per_node),
-        placement=profile.placement,
-    )
-    config = resolve_auto(dataclasses.replace(config, name=name or config.name, scaling=scaling))
-    # The cluster's shape replaced the config's workers and GPUs: check again the rules that
-    # depend on them (nccl needs GPUs, ...) here, not in a job that would fail on the cluster.
-    config = JobConfig.from_dict(config.to_dict(), f"{config.name} on {nodes} nodes x {per_node} workers")
-    submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    run_dir = storage.join(storage.normalize(profile.storage), submission_id)
+        "cpus_per_worker": config.scaling.cpus_per_worker if gpus else float(cpus // per_node),
+        "placement": profile.placement,
+    }
+    warnings = [f"--set scaling.{key}={getattr(config.scaling, key)!r} is replaced by the cluster's shape "
+                f"({shape}): {key} is {value!r}" for key, value in scaling.items()
+                if f"scaling.{key}" in _set_keys(overrides) and getattr(config.scaling, key) != value]
+    # The cluster's shape replaced the config's workers and GPUs: the rules that depend on them
+    # (nccl needs GPUs, ...) are checked again here, not in a job that would fail on the cluster.
+    config = resolve_auto(updated(config, {"name": name or config.name, "scaling": scaling},
+                                  f"{name or config.name} on {shape}"))
     working_dir = profile.path(profile.runtime_env.working_dir) if profile.runtime_env.working_dir else None
     if working_dir and not os.path.isdir(working_dir):
         raise UserError(f"{profile.source}: runtime_env.working_dir {working_dir} is not a directory")
+    if check_builders:
+        with running_in(working_dir):  # where the job runs: imports and relative paths as there
+            check_data_and_model(config)
+    if working_dir:
+        check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
+                          profile.source)
+    submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    run_dir = storage.join(storage.normalize(profile.storage), submission_id)
     runtime_env = {
         **({"working_dir": working_dir, "excludes": profile.runtime_env.excludes} if working_dir else {}),
         **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
@@ -100,26 +113,37 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     }
     entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - --address auto "
                   f"--run-dir {shlex.quote(run_dir)}")
-    if working_dir:
-        check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
-                          profile.source)
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
-                      unshipped_imports(config, working_dir, profile.source))
+                      warnings + unshipped_imports(config, working_dir, profile.source))
 
 
-def preflight(sub: Submission, dashboard: Dashboard) -> None:
-    """Fail now, naming what was asked and what exists, rather than queue forever."""
+def _set_keys(overrides: Sequence[str]) -> set[str]:
+    return {expr.partition("=")[0].strip() for expr in overrides}
+
+
+@contextmanager
+def running_in(folder: Optional[str]) -> Iterator[None]:
+    """Run the block as the job will run on the cluster: in its uploaded working_dir, with that
+    folder first on the import path."""
+    if not folder:
+        yield
+        return
+    before = os.getcwd()
+    os.chdir(folder)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+        os.chdir(before)
+
+
+def check_cluster_can_run(sub: Submission, dashboard: Dashboard) -> None:
+    """The cluster answers, holds the job's shape and can be written to: fail now, naming what was
+    asked and what exists, rather than queue forever."""
     dashboard.check()
-    nodes = dashboard.alive_nodes()
     s = sub.config.scaling
-    need_gpus, need_cpus = s.gpus_per_worker * sub.workers_per_node, s.cpus_per_worker * sub.workers_per_node
-    fitting = [n for n in nodes if n.gpus >= need_gpus and n.cpus >= need_cpus]
-    if len(fitting) < sub.nodes:
-        have = ", ".join(f"{n.gpus:g} GPUs/{n.cpus:g} CPUs" for n in nodes) or "none"
-        what = f"{need_gpus:g} GPUs and {need_cpus:g} CPUs" if need_gpus else f"{need_cpus:g} CPUs"
-        short = "GPUs" if need_gpus and sum(n.gpus >= need_gpus for n in nodes) < sub.nodes else "CPUs"
-        raise UserError(f"not enough {short}: the job needs {sub.nodes} nodes with {what} each; "
-                        f"the cluster has {len(nodes)} nodes: {have}")
+    check_shape_fits(dashboard.alive_nodes(), sub.nodes, sub.workers_per_node, s.cpus_per_worker, s.gpus_per_worker)
     storage.check_writable(sub.run_dir)
 
 

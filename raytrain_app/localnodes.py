@@ -18,7 +18,7 @@ import sys
 import time
 from contextlib import suppress
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import psutil
 
@@ -167,22 +167,20 @@ def _node_env(profile: ClusterProfile) -> dict:
     """Nodes run with token auth and with this Python first on PATH, so jobs find raytrain_app."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    token = _ensure_token(profile)
-    if token:
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-    else:
-        env["RAY_AUTH_MODE"] = "disabled"
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # this shell's own Ray token is not the cluster's
+        env.pop(name, None)
+    _ensure_token_file(profile)
+    env.update({"RAY_AUTH_MODE": "disabled", **profile.ray_auth_env()})
     return env
 
 
-def _ensure_token(profile: ClusterProfile) -> Optional[str]:
+def _ensure_token_file(profile: ClusterProfile) -> None:
     """A local cluster's token file is created (mode 0600) the first time it is needed."""
     path = profile.auth.token_file and Path(os.path.expanduser(profile.auth.token_file))
     if path and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600)
         path.write_text(secrets.token_hex(32) + "\n")
-    return profile.token()
 
 
 def _launcher(verb: str, profile: ClusterProfile) -> None:

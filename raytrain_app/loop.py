@@ -6,7 +6,7 @@ Ray Train has already started this process, set its device and joined it to the 
     build data and model -> wrap in DDP -> restore a checkpoint if there is one ->
     for each epoch: set_epoch, train, evaluate, all-reduce metrics, report (+ checkpoint)
 
-`train_epoch` and `evaluate` take no Ray objects, so benchmarks time them without Ray.
+`train_epoch` and `evaluate` take no Ray objects, so tests and benchmarks call them without Ray.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_app import checkpoint
-from raytrain_app.checkpoint import TrainState
 from raytrain_app.config import JobConfig
 from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
-from raytrain_app.metrics import (Totals, allreduce_seconds, global_max, peak_flops, time_split,
-                                  train_flops_per_sample)
+from raytrain_app.metrics import EpochMetrics, Totals
 from raytrain_app.models import build_model
 from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.reporter import Reporter
+from raytrain_app.state import TrainState
 from raytrain_app.strategy import parallelize
+
 
 @dataclass(frozen=True)
 class WorkerArgs:
@@ -58,210 +58,187 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     if args.cwd and os.path.isdir(args.cwd):
         os.chdir(args.cwd)
         sys.path.insert(0, args.cwd)
-    job = JobConfig.from_dict(args.job)
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     report = Reporter(args.events, rank, args.log_dir, args.progress)
     report.info("rank %d/%d on node %s, device %s", rank, world_size, ray.get_runtime_context().get_node_id(), device)
     try:
-        _run(job, args, rank, world_size, device, report, entered)
+        _run(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, device, report, entered)
     except BaseException:
         report.failed()
         raise
     report.sync()
 
 
-def _run(job: JobConfig, args: WorkerArgs, rank: int, world_size: int, device: torch.device, report: Reporter,
+def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch.device, report: Reporter,
          entered: float) -> None:
     tc = job.train
-
-    # Same seed on every rank for the model's initial weights (DDP broadcasts rank 0's anyway,
-    # and a 1-worker run starts from the same weights), then a per-rank seed for dropout/augmentation.
+    # The same seed on every rank for the initial weights (DDP broadcasts rank 0's anyway, and a
+    # 1-worker run starts from the same ones), then each rank its own for dropout and augmentation.
     seed_everything(job.seed)
     data = build_datasets(job.data)
-    built = build_model(job.model, data.input_shape, data.num_classes)
-    parallel = parallelize(built, tc, world_size, device, report.warn)
-    model, train_model, memory_format, cuda_graphs = (parallel.model, parallel.train_model, parallel.memory_format,
-                                                      parallel.cuda_graphs)
+    parallel = parallelize(build_model(job.model, data.input_shape, data.num_classes), tc, world_size, device,
+                           report.warn)
     seed_everything(job.seed + rank)
 
     # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.
     resident = keep_on_device(data, job.data.on_device, device)
-    if resident:
-        data = to_device(data, device)
+    data = to_device(data, device) if resident else data
     workers = loader_workers(job.data.loader_workers, data, job.scaling.cpus_per_worker)
     pin = device.type == "cuda" and not resident
     train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident)
     eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident)
-    steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
     report.info("data %s, %d loader workers; compile %s%s", "on the device" if resident else "through a DataLoader",
-             workers, tc.compile, " with CUDA graphs" if cuda_graphs else "")
+                workers, tc.compile, " with CUDA graphs" if parallel.cuda_graphs else "")
 
-    # Where epoch time goes: one unoverlapped all-reduce of the gradients, timed once, bounds
-    # each step's communication; on GPUs, FLOPs against the GPU's peak give the MFU.
-    sync_s = allreduce_seconds(sum(p.numel() for p in model.parameters() if p.requires_grad), device)
-    peak = peak_flops(torch.cuda.get_device_name(device), tc.precision) if device.type == "cuda" else None
-    flops_per_sample = None
-
-    optimizer = build_optimizer(model.parameters(), job.optimizer, world_size)
+    optimizer = build_optimizer(parallel.model.parameters(), job.optimizer, world_size)
     precision = Precision(tc.precision, device)
-    state = TrainState(model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
+    steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
+    state = TrainState(parallel.model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
                        precision.scaler)
-
-    resumed = ray.train.get_checkpoint()
-    if resumed:
-        restored = checkpoint.restore_latest_good(resumed, state, rank, device, args.run_dir,
-                                                  warn=report.warn)
+    step = Step(parallel.train_model, precision, tc.grad_accum_steps, tc.grad_clip, device, parallel.memory_format,
+                parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite))
+    epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
+    if ray.train.get_checkpoint():
+        restored = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device, run_dir,
+                                                  report.warn)
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
-
-    def save_and_report(metrics: dict) -> None:
-        with tempfile.TemporaryDirectory() as directory:
-            checkpoint.save(directory, state, rank, job.to_dict())
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-
-    ready = time.time()
-    loss_check = LossCheck(device, tc.stop_on_nonfinite)
-
-    def after_step(last_in_epoch: bool) -> None:
-        """After each optimizer step: the start-up report (first step), and mid-epoch checkpoints
-        every N steps, which record the sampler position."""
-        if state.step == 1 and rank == 0:  # a fresh run's first step: tell the driver where start-up went
-            report.startup({"loop": entered, "ready": ready, "first_step": time.time()})
-        every = job.checkpoint.every_steps
-        if every and state.step % every == 0 and not last_in_epoch:
-            loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
-            state.train_time = time.perf_counter() - t0
-            # A mid-epoch checkpoint must never rank as "best": it is kept only while it is the latest.
-            save_and_report({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
-                             job.checkpoint.metric: checkpoint.WORST_SCORE[job.checkpoint.mode]})
+    after_step = AfterStep(job, rank, step.loss_check, report, {"loop": entered, "ready": time.time()})
 
     try:
         for epoch in range(state.epoch, tc.epochs):
             sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-            sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming mid-epoch
-            on_batch = report.progress(epoch, state.batch + len(train_dl))
-            t0 = time.perf_counter() - state.train_time
+            sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming inside the epoch
             first_step = state.step - state.batch // tc.grad_accum_steps  # this epoch's, also when resumed inside it
-            train_totals = train_epoch(train_model, train_dl, state, precision, tc.grad_accum_steps, tc.grad_clip,
-                                       device, on_batch, after_step, state.totals, memory_format, cuda_graphs,
-                                       loss_check)
+            state.clock.start()
+            train_totals = train_epoch(step, train_dl, state, report.progress(epoch, state.batch + len(train_dl)),
+                                       after_step)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
-            train_time = time.perf_counter() - t0
-            eval_totals = evaluate(model, eval_dl, precision, device, memory_format)
-
-            train_totals.all_reduce()
-            eval_totals.all_reduce()
-            slowest = global_max(train_time, device)
-            state.epoch, state.batch, state.totals, state.train_time = epoch + 1, 0, None, 0.0
-            metrics = {
-                "epoch": state.epoch,
-                "step": state.step,
-                "train_loss": train_totals.loss,
-                "eval_loss": eval_totals.loss,
-                "eval_accuracy": eval_totals.accuracy,
-                "eval_samples": eval_totals.count,
-                "samples_per_s": train_totals.count / slowest,
-                "samples_per_s_per_worker": train_totals.count / slowest / world_size,
-                **time_split(slowest, train_totals.data_wait_s, state.step - first_step, sync_s),
-                "epoch_time_s": slowest,
-                "world_size": world_size,
-                "lr": optimizer.param_groups[0]["lr"],
-            }
-            if device.type == "cuda" and flops_per_sample is None:  # counted once, off the start-up path
-                flops_per_sample = train_flops_per_sample(model, data.input_shape) or 0.0
-            if flops_per_sample:
-                achieved = flops_per_sample * metrics["samples_per_s_per_worker"]
-                metrics["tflops_per_worker"] = achieved / 1e12
-                if peak:
-                    metrics["mfu"] = achieved / peak
-
-            if state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs:
-                save_and_report(metrics)
-            else:
-                ray.train.report(metrics)
+            seconds = state.clock.elapsed()
+            eval_totals = evaluate(parallel.model, eval_dl, step)
+            state.finish_epoch()
+            metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
+                                        optimizer.param_groups[0]["lr"], seconds, train_totals, eval_totals)
+            save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs
+            report_to_ray(metrics, state, rank, job if save else None)
             report.epoch(metrics)
             report.sync()
     except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
         report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
 
-def train_epoch(
-    model: nn.Module,
-    loader,
-    state: TrainState,
-    precision: "Precision",
-    accum_steps: int,
-    grad_clip: Optional[float],
-    device: torch.device,
-    on_batch: Optional[Callable[[int], None]] = None,
-    after_step: Optional[Callable[[bool], None]] = None,
-    totals: Optional[Totals] = None,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    cuda_graphs: bool = False,
-    loss_check: Optional[LossCheck] = None,
-) -> Totals:
+
+@dataclass
+class Step:
+    """How an optimizer step runs: which model the step calls (DDP and/or compiled), in which
+    precision, over how many micro-batches, with what clipping, and where batches go."""
+
+    model: nn.Module
+    precision: "Precision"
+    accum_steps: int = 1
+    grad_clip: Optional[float] = None
+    device: torch.device = torch.device("cpu")
+    memory_format: torch.memory_format = torch.contiguous_format
+    cuda_graphs: bool = False  # the compiled step replays CUDA graphs: mark where each step begins
+    loss_check: Optional[LossCheck] = None
+
+
+def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callable[[int], None]] = None,
+                after_step: Optional[Callable[[TrainState, bool], None]] = None) -> Totals:
     """One pass over this rank's shard (or its rest, from `state.batch`); returns its unreduced loss totals.
 
     With gradient accumulation, each optimizer step averages the gradients of up to
     `accum_steps` micro-batches. DDP all-reduces on every backward unless told not to, so the
     non-final micro-batches run under `no_sync()`: one all-reduce per optimizer step.
     """
-    model.train()
-    state.totals = totals = totals or Totals(device)
+    step.model.train()
+    if not (state.batch and state.totals):  # a fresh epoch; a resumed one continues its restored sums
+        state.totals = Totals(step.device)
+    totals = state.totals
     n = state.batch + len(loader)
     waited_since = time.perf_counter()
     for i, (x, y) in enumerate(loader, start=state.batch):
         totals.data_wait_s += time.perf_counter() - waited_since  # the loader's share of the epoch
-        x, y = _to_device(x, device, memory_format), y.to(device, non_blocking=True)
-        window_start = i - i % accum_steps
-        window_end = min(window_start + accum_steps, n)  # the epoch's last window may be shorter
+        x, y = _to_device(x, step.device, step.memory_format), y.to(step.device, non_blocking=True)
+        window_start = i - i % step.accum_steps
+        window_end = min(window_start + step.accum_steps, n)  # the epoch's last window may be shorter
         last = i + 1 == window_end
-        sync = model.no_sync() if not last and hasattr(model, "no_sync") else nullcontext()
-        if cuda_graphs:
+        sync = step.model.no_sync() if not last and hasattr(step.model, "no_sync") else nullcontext()
+        if step.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         with sync:
-            with precision.autocast():
-                loss = F.cross_entropy(model(x), y)
+            with step.precision.autocast():
+                loss = F.cross_entropy(step.model(x), y)
             window = window_end - window_start
-            precision.backward(loss / window if window > 1 else loss)
+            step.precision.backward(loss / window if window > 1 else loss)
         totals.add(loss, len(y))
         state.batch = i + 1
         if last:
             lr = state.optimizer.param_groups[0]["lr"]
-            precision.step(state.optimizer, state.model.parameters(), grad_clip)
+            step.precision.step(state.optimizer, state.model.parameters(), step.grad_clip)
             state.optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             state.step += 1
-            if loss_check:
-                loss_check.after_step(totals.sums[0], state.step, lr)
+            if step.loss_check:
+                step.loss_check.after_step(totals.sums[0], state.step, lr)
             if after_step:
-                after_step(i + 1 == n)
+                after_step(state, i + 1 == n)
         if on_batch:
             on_batch(i + 1)
         waited_since = time.perf_counter()
-    if loss_check:
-        loss_check.settle()
+    if step.loss_check:
+        step.loss_check.settle()
     return totals
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, precision: "Precision", device: torch.device,
-             memory_format: torch.memory_format = torch.contiguous_format) -> Totals:
+def evaluate(model: nn.Module, loader, step: Step) -> Totals:
     """Loss and accuracy over this rank's unpadded eval shard.
 
     Takes the bare model, not the DDP wrapper: evaluation needs no gradient sync, and ranks may
     hold one batch more or less than each other.
     """
     model.eval()
-    totals = Totals(device)
+    totals = Totals(step.device)
     for x, y in loader:
-        x, y = _to_device(x, device, memory_format), y.to(device, non_blocking=True)
-        with precision.autocast():
+        x, y = _to_device(x, step.device, step.memory_format), y.to(step.device, non_blocking=True)
+        with step.precision.autocast():
             logits = model(x)
         totals.add(F.cross_entropy(logits.float(), y), len(y), (logits.argmax(1) == y).sum())
     model.train()
     return totals
+
+
+class AfterStep:
+    """What follows an optimizer step: rank 0 tells the driver where start-up went (at a fresh
+    run's first step), and every `checkpoint.every_steps` steps a mid-epoch checkpoint records
+    the position within the epoch."""
+
+    def __init__(self, job: JobConfig, rank: int, loss_check: LossCheck, report: Reporter, marks: dict):
+        self.job, self.rank, self.loss_check, self.report, self.marks = job, rank, loss_check, report, marks
+
+    def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
+        if state.step == 1:
+            self.report.startup({**self.marks, "first_step": time.time()})
+        every = self.job.checkpoint.every_steps
+        if every and state.step % every == 0 and not last_in_epoch:
+            self.loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
+            # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
+            c = self.job.checkpoint
+            report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
+                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.rank, self.job)
+
+
+def report_to_ray(metrics: dict, state: TrainState, rank: int, job: Optional[JobConfig]) -> None:
+    """Report to Ray Train, with a checkpoint of `state` when `job` is given (every rank writes its
+    part into a fresh directory; Ray merges them into the run's checkpoint)."""
+    if job is None:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        checkpoint.save(directory, rank, state, job.to_dict())
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
 class Precision:

@@ -46,9 +46,12 @@ class Totals:
         self.samples, self.data_wait_s = int(self.sums[2]), float(self.sums[3]) / world
         return self
 
-    @property
-    def count(self) -> int:
-        return self.samples
+    def state_dict(self) -> dict:
+        return {"sums": self.sums.cpu(), "samples": self.samples, "data_wait_s": self.data_wait_s}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.sums.copy_(saved["sums"])
+        self.samples, self.data_wait_s = saved["samples"], saved["data_wait_s"]
 
     @property
     def loss(self) -> float:
@@ -143,3 +146,50 @@ def time_split(epoch_s: float, data_wait_s: float, syncs: int, sync_s: float) ->
     comm = min(syncs * sync_s, epoch_s - data)
     return {"data_wait_frac": data / epoch_s, "comm_frac": comm / epoch_s,
             "compute_frac": (epoch_s - data - comm) / epoch_s}
+
+
+class EpochMetrics:
+    """An epoch's row of metrics.jsonl, the same on every rank: losses and accuracy summed over all
+    ranks, global throughput (all samples over the slowest rank's time), where the time went, and
+    on GPUs the FLOPs achieved and the MFU.
+
+    Calibrated once per run: one unoverlapped all-reduce of the gradients bounds each step's
+    communication; the GPU's dense peak (known GPUs, bf16/fp16) is the MFU's denominator; FLOPs
+    per sample are counted after the first epoch, off the start-up path.
+    """
+
+    def __init__(self, model: nn.Module, input_shape: tuple[int, ...], precision: str, device: torch.device,
+                 world_size: int):
+        self.model, self.input_shape, self.device, self.world_size = model, input_shape, device, world_size
+        self.sync_s = allreduce_seconds(sum(p.numel() for p in model.parameters() if p.requires_grad), device)
+        self.peak = peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
+        self.flops_per_sample: Optional[float] = None
+
+    def row(self, epoch: int, step: int, steps: int, lr: float, seconds: float, train: Totals,
+            evaluated: Totals) -> dict:
+        """`steps`: optimizer steps this epoch (this run's share of it when resumed inside it)."""
+        train.all_reduce()
+        evaluated.all_reduce()
+        slowest = global_max(seconds, self.device)
+        row = {
+            "epoch": epoch,
+            "step": step,
+            "train_loss": train.loss,
+            "eval_loss": evaluated.loss,
+            "eval_accuracy": evaluated.accuracy,
+            "eval_samples": evaluated.samples,
+            "samples_per_s": train.samples / slowest,
+            "samples_per_s_per_worker": train.samples / slowest / self.world_size,
+            **time_split(slowest, train.data_wait_s, steps, self.sync_s),
+            "epoch_time_s": slowest,
+            "world_size": self.world_size,
+            "lr": lr,
+        }
+        if self.device.type == "cuda" and self.flops_per_sample is None:
+            self.flops_per_sample = train_flops_per_sample(self.model, self.input_shape) or 0.0
+        if self.flops_per_sample:
+            achieved = self.flops_per_sample * row["samples_per_s_per_worker"]
+            row["tflops_per_worker"] = achieved / 1e12
+            if self.peak:
+                row["mfu"] = achieved / self.peak
+        return row

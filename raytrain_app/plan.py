@@ -7,7 +7,6 @@ accepts it, the labels fit the model, each worker's shard holds a batch.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 import time
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_app import storage
-from raytrain_app.config import JobConfig
+from raytrain_app.config import JobConfig, updated
 from raytrain_app.errors import ConfigError, UserError
 
 # Ray Train V2 writes this into the run directory after every checkpoint; its presence means
@@ -61,28 +60,30 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
     if not resume and has_checkpoint:
         raise UserError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
     try:
-        preflight(config)
+        check_data_and_model(config)
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(*[f"{source}: {line}" for line in e.lines]) from None
     storage.check_writable(run_dir)
     return RunPlan(config, run_dir, resume)
 
 
 def resolve_auto(config: JobConfig) -> JobConfig:
+    """Every `auto` decided: bf16, channels_last and NCCL with GPUs; fp32 and Gloo without."""
     gpu = config.scaling.gpus_per_worker > 0
-    train = config.train
-    scaling = config.scaling
-    if train.precision == "auto":
-        train = dataclasses.replace(train, precision="bf16" if gpu else "fp32")
-    if train.channels_last == "auto":
-        train = dataclasses.replace(train, channels_last="on" if gpu else "off")
-    if scaling.backend == "auto":
-        scaling = dataclasses.replace(scaling, backend="nccl" if gpu else "gloo")
-    return dataclasses.replace(config, train=train, scaling=scaling)
+    train, scaling = {}, {}
+    if config.train.precision == "auto":
+        train["precision"] = "bf16" if gpu else "fp32"
+    if config.train.channels_last == "auto":
+        train["channels_last"] = "on" if gpu else "off"
+    if config.scaling.backend == "auto":
+        scaling["backend"] = "nccl" if gpu else "gloo"
+    return updated(config, {"train": train, "scaling": scaling})
 
 
-def preflight(config: JobConfig) -> None:
-    """Build the datasets and model once on the driver and check that they fit together."""
+def check_data_and_model(config: JobConfig) -> None:
+    """Build the datasets and model once on the driver and check that they fit together: the
+    builders resolve, their args bind, the model takes the data's inputs, the labels fit its
+    outputs, every worker's shard holds a batch."""
     import torch
 
     from raytrain_app.data import build_datasets, check_labels, keep_on_device

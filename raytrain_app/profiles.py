@@ -10,62 +10,99 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from raytrain_app.config import parse, read_yaml, validate
-from raytrain_app.errors import ConfigError, UserError
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-
-@dataclass
-class RuntimeEnv:
-    # A local directory uploaded with the job (null: none). Relative paths are from the profile's folder.
-    working_dir: Optional[str] = None
-    pip: list = field(default_factory=list)
-    env_vars: dict = field(default_factory=dict)
-    # Never uploaded from working_dir (gitignore-style patterns).
-    excludes: list = field(default_factory=lambda: [".git", ".venv", "venv", "runs", "__pycache__", "*.pt"])
-    # The most working_dir may hold once excludes are taken out, checked before anything is sent
-    # (Ray refuses packages of 512 MiB and more, but only after the whole upload).
-    max_upload_mb: float = 500.0
+from raytrain_app.config import Section
+from raytrain_app.configfile import read_yaml, validated
+from raytrain_app.errors import UserError
 
 
-@dataclass
-class Auth:
-    # Exactly one of these names where the Ray token is; null for both means no token auth.
-    token_env: Optional[str] = None
-    token_file: Optional[str] = None
+class RuntimeEnv(Section):
+    working_dir: Optional[str] = Field(None, description="a directory to upload with every job (relative to the "
+                                                         "profile's folder), minus excludes")
+    excludes: list[str] = Field(default_factory=lambda: [".git", ".venv", "venv", "runs", "__pycache__", "*.pt"],
+                                description="never uploaded from working_dir (gitignore patterns; .gitignore and "
+                                            ".rayignore count too)")
+    max_upload_mb: float = Field(500.0, gt=0, description="refuse, before sending anything, a working_dir larger "
+                                                          "than this (Ray refuses 512 MiB, after the upload)")
+    pip: list[str] = Field(default_factory=list)
+    env_vars: dict[str, Any] = Field(default_factory=dict, description="e.g. NCCL_SOCKET_IFNAME; ${NAME} is taken "
+                                                                       "from the submitting environment")
 
 
-@dataclass
-class LocalNodes:
+class Auth(Section):
+    token_env: Optional[str] = Field(None, description="an env var holding the Ray token")
+    token_file: Optional[str] = Field(None, description="a file holding the Ray token (created, mode 0600, by "
+                                                        "cluster up)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "token" in data:
+            raise ValueError("token: never put a token in a profile; name its env var (auth.token_env) or file "
+                             "(auth.token_file)")
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.token_env and self.token_file:
+            raise ValueError("token_env: name one of token_env or token_file, not both")
+        return self
+
+
+class LocalNodes(Section):
     """Ports for a cluster that `cluster up` runs on this machine; every node gets its own."""
 
-    port: int = 6379  # the head's GCS port
-    dashboard_port: int = 8265  # the dashboard and Jobs API, bound to 127.0.0.1
-    client_port: int = 10001  # Ray Client server on the head
-    worker_port_base: int = 20000  # node i uses worker ports base + 1000*i .. base + 1000*i + 999
-    agent_port_base: int = 52365  # node i's dashboard agent listens on base + i
-    temp_dir: Optional[str] = None  # default /tmp/raytrain/<name>
+    port: int = Field(6379, ge=1, le=65535, description="the head's GCS port")
+    dashboard_port: int = Field(8265, ge=1, le=65535, description="dashboard and Jobs API, bound to 127.0.0.1")
+    client_port: int = Field(10001, ge=1, le=65535, description="Ray Client server on the head")
+    worker_port_base: int = Field(20000, ge=1, le=64535, description="node i: worker ports base + 1000 i ... + 999")
+    agent_port_base: int = Field(52365, ge=1, le=65535, description="node i: dashboard agent on base + i")
+    temp_dir: Optional[str] = Field(None, max_length=48, description="default /tmp/raytrain/NAME; at most 48 "
+                                                                     "characters (Ray's socket paths must fit)")
 
 
-@dataclass
-class ClusterProfile:
-    name: str = "local"
-    address: str = "local"  # "local", or the dashboard/Jobs address http://HOST:8265
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_node: int = 1
-    storage: str = "/tmp/raytrain/runs"  # path or URI every node can reach
-    runtime_env: RuntimeEnv = field(default_factory=RuntimeEnv)
-    placement: Literal["PACK", "SPREAD"] = "PACK"
-    auth: Auth = field(default_factory=Auth)
-    launcher: Optional[str] = None  # a Ray cluster-launcher YAML for `cluster up/down`
-    local: LocalNodes = field(default_factory=LocalNodes)
-    connect_timeout_s: float = 10.0
-    # Set by load_profile: the file it came from, for messages and relative paths.
-    source: str = field(default="", init=False, compare=False, repr=False)
+class ClusterProfile(Section):
+    name: str = Field("local", pattern=r"^[A-Za-z0-9_.-]+$")
+    address: str = Field("local", description="local: `cluster up` runs the nodes here; or http://HOST:PORT, a "
+                                              "cluster's dashboard")
+    nodes: int = Field(1, ge=1, description="defaults for --nodes, --gpus-per-node, --cpus-per-node")
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_node: int = Field(1, ge=1)
+    storage: str = Field("/tmp/raytrain/runs", description="path or URI (s3://, gs://, hdfs://) every node can reach")
+    runtime_env: RuntimeEnv = Field(default_factory=RuntimeEnv)
+    placement: Literal["PACK", "SPREAD"] = Field("PACK", description="PACK fills a node first; SPREAD deals "
+                                                                     "workers out across nodes")
+    auth: Auth = Field(default_factory=Auth)
+    launcher: Optional[str] = Field(None, description="a Ray cluster-launcher YAML: cluster up/down run ray "
+                                                      "up/down on it")
+    local: LocalNodes = Field(default_factory=LocalNodes)
+    connect_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
+    _source: str = PrivateAttr("")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if value != "local" and not re.match(r"https?://[^/\s]+", value):
+            raise ValueError("must be local or http://HOST:PORT")
+        return value
+
+    @model_validator(mode="after")
+    def _launcher_not_local(self):
+        if self.launcher and self.is_local:
+            raise ValueError("launcher: must be unset for address: local (cluster up starts it directly)")
+        if len(self.temp_dir) > 48:
+            raise ValueError("local.temp_dir: the default /tmp/raytrain/NAME is over 48 characters: shorten name "
+                             "or set local.temp_dir")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The file this profile came from, for messages and relative paths."""
+        return self._source
 
     @property
     def is_local(self) -> bool:
@@ -114,37 +151,29 @@ class ClusterProfile:
 
         return {key: expand(key, value) for key, value in self.runtime_env.env_vars.items()}
 
+    def ray_auth_env(self) -> dict[str, str]:
+        """The variables Ray's own processes and clients read their token from: the file's path
+        (RAY_AUTH_TOKEN_PATH) when the profile names one, so the token stays out of environments;
+        empty when the profile uses no token."""
+        if not self.token():  # the token is readable, or a one-line error
+            return {}
+        if self.auth.token_file:
+            return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": os.path.expanduser(self.auth.token_file)}
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token()}
+
     def auth_headers(self) -> dict:
         token = self.token()
         return {"Authorization": f"Bearer {token}"} if token else {}
 
-
-_RULES = [
-    ("name", lambda p: bool(re.fullmatch(r"[A-Za-z0-9_.-]+", p.name)), "letters, digits, '.', '_' or '-'"),
-    ("address", lambda p: p.address == "local" or re.match(r"https?://[^/\s]+", p.address), "local or http://HOST:PORT"),
-    ("nodes", lambda p: p.nodes >= 1, ">= 1"),
-    ("gpus_per_node", lambda p: p.gpus_per_node >= 0, ">= 0"),
-    ("cpus_per_node", lambda p: p.cpus_per_node >= 1, ">= 1"),
-    ("auth", lambda p: not (p.auth.token_env and p.auth.token_file), "one of token_env or token_file, not both"),
-    ("connect_timeout_s", lambda p: p.connect_timeout_s > 0, "> 0"),
-    ("local.temp_dir", lambda p: len(p.temp_dir) <= 48, "at most 48 characters (Ray's socket paths under it must fit "
-                                                        "in 107 bytes)"),
-    ("launcher", lambda p: not p.launcher or not p.is_local, "unset for address: local (cluster up starts it directly)"),
-]
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
 def load_profile(path: str) -> ClusterProfile:
-    raw, source = read_yaml(path)
-    auth = raw.get("auth")
-    if isinstance(auth, dict) and "token" in auth:
-        raise ConfigError(f"{source}: auth.token: never put a token in a profile; "
-                          "name its env var (auth.token_env) or file (auth.token_file)")
-    profile = parse(ClusterProfile, raw, source)
-    validate(profile, _RULES, source)
-    profile.source = source
+    doc = read_yaml(path)
+    profile = validated(ClusterProfile, doc)
+    profile._source = doc.source
     return profile
 
 

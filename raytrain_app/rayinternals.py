@@ -20,8 +20,9 @@ def session_logs_dir() -> str:
 
 
 def reload_auth_config() -> None:
-    """Ray reads its auth mode at import; after setting RAY_AUTH_MODE/RAY_AUTH_TOKEN in this
-    process, read it again, as Ray's own token setup does."""
+    """Ray reads RAY_AUTH_MODE and the token's source when it loads; `session.connected` sets them
+    before that, and calls this only when a library caller had loaded Ray already (Ray's own token
+    setup re-reads them the same way)."""
     import ray._raylet
 
     ray._raylet.Config.initialize("")

@@ -1,8 +1,9 @@
 """Builders by name: a built-in table, or any user callable named "pkg.module:attr".
 
 Models and datasets share this so both accept the same `{name, args}` shape and give the same
-errors. The driver checks a builder and its args before Ray starts (`check`), and each worker
-calls it (`build`) with the same rules.
+errors. `build` resolves the name, binds `args` against the builder's signature (unknown and
+missing arguments, and wrongly typed ones where the builder annotates them, are config errors,
+all reported at once) and calls it; the driver does it before Ray starts, each worker again.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import inspect
 import typing
 from typing import Any, Callable
 
-from raytrain_app.config import check_scalar
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
 from raytrain_app.errors import ConfigError, UserError
+
+# Scalars are checked strictly (no "3" for 3); containers as YAML gives them (a list for a tuple).
+_STRICT = ConfigDict(strict=True)
+_SCALAR_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def resolve(name: str, builtins: dict[str, Callable], key: str) -> Callable:
@@ -34,30 +40,33 @@ def resolve(name: str, builtins: dict[str, Callable], key: str) -> Callable:
 
 
 def bind(fn: Callable, args: dict, key: str, context: dict) -> dict:
-    """The keyword arguments to call `fn` with: user args, plus the context values it accepts.
-
-    Unknown args and, where the builder annotates them, wrongly typed ones are config errors.
-    """
+    """The keyword arguments to call `fn` with: user args, plus the context values it accepts."""
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    for name in args:
-        if name not in params and not takes_any:
-            accepted = ", ".join(n for n in params if n not in context) or "none"
-            raise ConfigError(f"{key}.args: unknown argument '{name}' (accepted: {accepted})")
     try:
         hints = typing.get_type_hints(fn)
-    except Exception:
+    except Exception:  # noqa: BLE001 - unresolvable annotations: check names only
         hints = {}
+    problems, kwargs = [], {k: v for k, v in context.items() if k in params or takes_any}
     for name, value in args.items():
+        if name not in params and not takes_any:
+            accepted = ", ".join(n for n in params if n not in context) or "none"
+            problems.append(f"{key}.args.{name}: unknown argument (accepted: {accepted})")
+            continue
         tp = hints.get(name)
-        if tp in (bool, int, float, str):
-            args = {**args, name: check_scalar(tp, value, f"{key}.args.{name}", "")}
-    kwargs = {k: v for k, v in context.items() if k in params or takes_any}
-    kwargs.update(args)
+        try:
+            kwargs[name] = value if tp is None else TypeAdapter(
+                tp, config=_STRICT if tp in _SCALAR_NAMES else None).validate_python(value)
+        except ValidationError as e:
+            what = f"must be {_SCALAR_NAMES[tp]}" if tp in _SCALAR_NAMES else e.errors()[0]["msg"].lower()
+            problems.append(f"{key}.args.{name}: {what}, got {value!r}")
+        except Exception:  # noqa: BLE001 - an annotation pydantic cannot check: pass the value on
+            kwargs[name] = value
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if missing:
-        raise ConfigError(f"{key}.args: missing argument '{missing[0]}'")
+    problems += [f"{key}.args.{n}: missing argument" for n in missing]
+    if problems:
+        raise ConfigError(*problems)
     return kwargs
 
 

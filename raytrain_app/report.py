@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from raytrain_app.console import summary_table
-from raytrain_app.plan import RunPlan
 from raytrain_app.trainer import RunResult
 
 
-def summary(plan: RunPlan, result: RunResult) -> str:
+def summary(result: RunResult) -> str:
     last = result.history[-1] if result.history else result.metrics
     best = result.best_metrics or {}
-    c = plan.config
+    c = result.config
     rows = [
         ("run", result.run_dir),
         ("workers", f"{c.scaling.workers} x {c.scaling.backend}, {c.train.precision}"),

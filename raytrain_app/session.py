@@ -13,10 +13,12 @@ import logging
 import os
 import shutil
 import socket
+import sys
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from raytrain_app.capacity import workers_that_fit
 from raytrain_app.console import route_ray_logs
 from raytrain_app.dashboard import Dashboard
 from raytrain_app.errors import UserError, last_line
@@ -32,7 +34,7 @@ class ClusterChoice:
     """Where a run goes. `address` None means a fresh embedded cluster."""
 
     address: Optional[str] = None
-    token: Optional[str] = None
+    auth_env: Optional[dict] = None  # RAY_AUTH_* for the cluster's token
     note: Optional[str] = None  # what the user is told about the choice
 
 
@@ -47,7 +49,7 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
         return ClusterChoice(address)
     running = running_local_cluster(workers, cpus_per_worker, gpus_per_worker)
     if running:
-        return ClusterChoice(f"127.0.0.1:{running.local.port}", running.token(),
+        return ClusterChoice(f"127.0.0.1:{running.local.port}", running.ray_auth_env(),
                              f"using the running local cluster '{running.name}' (--address local starts a fresh one)")
     return ClusterChoice()
 
@@ -59,7 +61,7 @@ def ray_session(choice: ClusterChoice, num_cpus: int, log_dir: Optional[str] = N
         with embedded_cluster(num_cpus, log_dir=log_dir, verbose=verbose):
             yield
     else:
-        with connected(choice.address, log_dir, verbose, choice.token):
+        with connected(choice.address, log_dir, verbose, choice.auth_env):
             yield
 
 
@@ -76,10 +78,7 @@ def running_local_cluster(workers: int, cpus_per_worker: float, gpus_per_worker:
 
 
 def _has_room(dashboard: Dashboard, workers: int, cpus_per_worker: float, gpus_per_worker: float) -> bool:
-    fits = [min(n.cpus // cpus_per_worker, n.gpus // gpus_per_worker if gpus_per_worker else workers)
-            for n in dashboard.alive_nodes()]
-    busy = any(job.status in ("PENDING", "RUNNING") for job in dashboard.jobs().list_jobs())
-    return sum(fits) >= workers and not busy
+    return not dashboard.busy() and workers_that_fit(dashboard.alive_nodes(), cpus_per_worker, gpus_per_worker) >= workers
 
 
 @contextmanager
@@ -118,10 +117,11 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
 
 @contextmanager
 def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False,
-              token: Optional[str] = None) -> Iterator[None]:
-    """Join a running cluster by its GCS address; `auto` means $RAY_ADDRESS, which Ray Jobs set."""
-    import ray
+              auth_env: Optional[dict] = None) -> Iterator[None]:
+    """Join a running cluster by its GCS address; `auto` means $RAY_ADDRESS, which Ray Jobs set.
 
+    `auth_env` (RAY_AUTH_MODE and the token's source) goes into this process's environment,
+    where Ray reads it when it loads."""
     if address == "auto":
         address = os.environ.get("RAY_ADDRESS", "")
         if not address:
@@ -132,9 +132,15 @@ def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False
     except (OSError, ValueError) as e:  # ray.init would retry for minutes
         raise UserError(f"cannot reach the Ray cluster at {address} (HOST:PORT of its GCS): "
                         f"{e.strerror or e if isinstance(e, OSError) else 'bad address'}") from None
-    if token:
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-        reload_auth_config()
+    if auth_env:
+        ray_loaded = "ray" in sys.modules
+        for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            os.environ.pop(name, None)
+        os.environ.update(auth_env)
+        if ray_loaded:  # too late for Ray to see the variables by itself (a library caller imported it)
+            reload_auth_config()
+    import ray
+
     route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
     try:
         ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)

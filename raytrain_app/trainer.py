@@ -22,6 +22,7 @@ from ray.train.v2.api.callback import UserCallback
 from ray.util.queue import Empty, Queue
 
 from raytrain_app import storage
+from raytrain_app.capacity import check_workers_fit, connected_nodes
 from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.errors import (TrainingFailed, UserError, describe, describe_rank, last_line, process_died,
@@ -32,6 +33,7 @@ from raytrain_app.plan import RunPlan
 
 @dataclass
 class RunResult:
+    config: JobConfig  # resolved
     run_dir: str
     history: list[dict]
     best_checkpoint: Optional[str]
@@ -49,7 +51,8 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     `startup.json`.
     """
     config = plan.config
-    check_resources(plan)
+    s = config.scaling
+    check_workers_fit(connected_nodes(), s.workers, s.cpus_per_worker, s.gpus_per_worker)
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
 
@@ -95,6 +98,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
         raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
     best, best_metrics = _best(result.best_checkpoints or [], config.checkpoint)
     return RunResult(
+        config=config,
         run_dir=plan.run_dir,
         history=history.rows(),
         best_checkpoint=storage.checkpoint_uri(plan.run_dir, best) if best else None,
@@ -130,17 +134,6 @@ def _ray_train_settings(config: JobConfig) -> None:
 def shipped_working_dir() -> bool:
     """Inside a Ray job that uploaded a working_dir, every worker already runs in its own copy of it."""
     return bool(ray.get_runtime_context().runtime_env.get("working_dir"))
-
-
-def check_resources(plan: RunPlan) -> None:
-    """Fail now if the cluster cannot place the workers, rather than wait forever for them."""
-    s = plan.config.scaling
-    have = ray.cluster_resources()
-    for resource, per_worker in plan.resources_per_worker.items():
-        need = per_worker * s.workers
-        if have.get(resource, 0) < need:
-            raise UserError(f"the cluster has {have.get(resource, 0):g} {resource}s but {s.workers} workers x "
-                            f"{per_worker:g} {resource} need {need:g}")
 
 
 class MetricsLog:

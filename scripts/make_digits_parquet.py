@@ -2,7 +2,7 @@
 
 Run once (needs scikit-learn, which is not a runtime dependency):
 
-    python scripts/make_digits_parquet.py
+    pip install -e '.[scripts]' && python scripts/make_digits_parquet.py
 
 The 1,797 images are 8x8 grey levels in 0..16 (UCI "optdigits"). They are stored unchanged as
 uint8 in a fixed-size list column, with their shape in the schema metadata, so the generic

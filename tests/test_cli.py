@@ -97,10 +97,10 @@ def test_a_crash_exits_1_naming_the_rank_and_its_error(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["train", "missing.yaml"], "config file not found: missing.yaml"),
-    (["train", "examples/digits.yaml", "--set", "train.epoch=3"], "unknown key 'train.epoch'"),
+    (["train", "examples/digits.yaml", "--set", "train.epoch=3"], "train.epoch: unknown key (did you mean 'train.epochs'?)"),
     (["train", "examples/digits.yaml", "--set", "train.epochs"], "bad --set expression"),
-    (["train", "examples/digits.yaml", "--workers", "0"], "scaling.workers must be >= 1"),
-    (["train", "examples/digits.yaml", "--set", "train.precision=fp8"], "train.precision must be one of"),
+    (["train", "examples/digits.yaml", "--workers", "0"], "scaling.workers: must be >= 1"),
+    (["train", "examples/digits.yaml", "--set", "train.precision=fp8"], "train.precision: must be one of"),
     (["train", "examples/digits.yaml", "--set", "model.name=vgg"], "examples/digits.yaml: model.name: unknown name 'vgg'"),
     (["train", "examples/digits.yaml", "--set", "model.name=nomodule:build"], "cannot import 'nomodule'"),
     (["train", "examples/digits.yaml", "--set", "model.args.num_classes=5"], "labels range over [0, 9]"),

@@ -83,8 +83,8 @@ def test_synthetic_has_the_requested_shape():
     (DataConfig(name="imagenet"), ConfigError, "unknown name 'imagenet'"),
     (DataConfig(name="no_such_module:build"), ConfigError, "cannot import 'no_such_module'"),
     (DataConfig(name="os:no_such_function"), ConfigError, "has no callable 'no_such_function'"),
-    (DataConfig(name="digits", args={"colour": 1}), ConfigError, "data.args: unknown argument 'colour'"),
-    (DataConfig(name="digits", args={"resize": "big"}), ConfigError, "data.args.resize must be an integer"),
+    (DataConfig(name="digits", args={"colour": 1}), ConfigError, "data.args.colour: unknown argument"),
+    (DataConfig(name="digits", args={"resize": "big"}), ConfigError, "data.args.resize: must be an integer"),
 ])
 def test_data_errors(config, error, message):
     with pytest.raises(error, match=message):

@@ -67,9 +67,36 @@ def test_the_cluster_shape_is_checked_against_the_config():
     profile = load_profile("cluster/local-2node.yaml")
     compiled = load_config("examples/digits.yaml", ["train.compile=default", "train.ddp_bucket_cap_mb=0.5",
                                                     "scaling.workers=1"])
-    with pytest.raises(UserError, match=r"digits on 2 nodes x 1 workers: train.ddp_bucket_cap_mb must be >= 1"):
+    with pytest.raises(UserError, match=r"digits on 2 nodes x 1 workers: train.ddp_bucket_cap_mb: must be >= 1"):
         plan_submission(profile, compiled, nodes=2, gpus_per_node=0)
     assert plan_submission(profile, compiled, nodes=1, gpus_per_node=0).config.scaling.workers == 1
     nccl = load_config("examples/digits.yaml", ["scaling.backend=nccl", "scaling.gpus_per_worker=1"])
-    with pytest.raises(UserError, match="scaling.backend must be gloo or auto when scaling.gpus_per_worker is 0"):
+    with pytest.raises(UserError, match="scaling.backend: nccl needs GPUs"):
         plan_submission(profile, nccl, nodes=2, gpus_per_node=0)
+
+
+def test_submit_checks_the_builders_before_anything_leaves(tmp_path):
+    """What `train` would find on the cluster, found here: a module that does not import, args the
+    builder does not take, labels the model cannot output."""
+    profile = load_profile("cluster/local-2node.yaml")
+    for overrides, message in ((["model.name=nomodule:build"], "cannot import 'nomodule'"),
+                               (["model.args={depth: 3}"], "model.args.depth: unknown argument"),
+                               (["model.args={num_classes: 5}"], r"labels range over \[0, 9\]")):
+        with pytest.raises(UserError, match=message):
+            plan_submission(profile, load_config("examples/digits.yaml", overrides), overrides=overrides)
+    # --skip-checks: for packages or data that exist only on the cluster.
+    sub = plan_submission(profile, load_config("examples/digits.yaml", ["model.name=nomodule:build"]),
+                          check_builders=False)
+    assert sub.config.model.name == "nomodule:build"
+
+
+def test_submit_says_when_the_cluster_shape_replaces_a_set_value():
+    profile = load_profile("cluster/local-2node.yaml")
+    sets = ["scaling.workers=8", "scaling.cpus_per_worker=1", "train.epochs=2"]
+    sub = plan_submission(profile, load_config("examples/digits.yaml", sets), nodes=2, cpus_per_node=2,
+                          workers_per_node=1, overrides=sets)
+    assert sub.config.scaling.workers == 2 and sub.config.scaling.cpus_per_worker == 2.0
+    assert sub.warnings == [
+        "--set scaling.workers=8 is replaced by the cluster's shape (2 nodes x 1 workers): workers is 2",
+        "--set scaling.cpus_per_worker=1.0 is replaced by the cluster's shape (2 nodes x 1 workers): "
+        "cpus_per_worker is 2.0"]

@@ -16,6 +16,7 @@ import torch
 from raytrain_app import checkpoint
 from raytrain_app.errors import TrainingFailed
 from raytrain_app.plan import make_plan
+from raytrain_app.state import TrainState
 from raytrain_app.trainer import run_training
 from tests.test_distributed import final_weights, job, run
 
@@ -144,10 +145,10 @@ def test_damaged_and_hostile_checkpoints_are_reported_and_skipped(tmp_path):
 
 
 def test_checkpoint_files_verify_and_detect_damage(tmp_path):
-    state = checkpoint.TrainState(torch.nn.Linear(2, 2), None, None, None)
+    state = TrainState(torch.nn.Linear(2, 2), None, None, None)
     state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
     state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
-    checkpoint.save(str(tmp_path), state, rank=0, config={})
+    checkpoint.save(str(tmp_path), 0, state, config={})
     assert checkpoint.verify(str(tmp_path), 0) is None
     assert not list(tmp_path.glob("*.tmp"))  # written under temporary names, then renamed
     (tmp_path / "rank0.pt").write_bytes(b"garbage")
@@ -157,11 +158,11 @@ def test_checkpoint_files_verify_and_detect_damage(tmp_path):
 
 
 def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
-    state = checkpoint.TrainState(torch.nn.Linear(2, 2), None, None, None)
+    state = TrainState(torch.nn.Linear(2, 2), None, None, None)
     state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
     state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
     state.epoch = 1
-    checkpoint.save(str(tmp_path), state, rank=0, config={})
+    checkpoint.save(str(tmp_path), 0, state, config={})
     before = (tmp_path / "state.pt").read_bytes()
 
     def disk_full(obj, path):  # half the bytes reach the disk, then the write fails
@@ -172,7 +173,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monke
     monkeypatch.setattr(torch, "save", disk_full)
     state.epoch = 2
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save(str(tmp_path), state, rank=0, config={})
+        checkpoint.save(str(tmp_path), 0, state, config={})
     assert (tmp_path / "state.pt").read_bytes() == before  # the previous file, whole
     assert checkpoint.verify(str(tmp_path), 0) is None and checkpoint.load_state(str(tmp_path))["epoch"] == 1
     assert not list(tmp_path.glob("*.tmp"))  # and no torn temporary left behind

@@ -157,7 +157,7 @@ def test_train_reuses_the_running_local_cluster(two_nodes, tmp_path):
     # and so does --address local, always.
     assert running_local_cluster(2, 1, 0).name == profile.name
     assert choose_cluster(None, 2, 1, 0) == ClusterChoice(
-        f"127.0.0.1:{profile.local.port}", profile.token(),
+        f"127.0.0.1:{profile.local.port}", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": profile.auth.token_file},
         f"using the running local cluster '{profile.name}' (--address local starts a fresh one)")
     assert choose_cluster("local", 2, 1, 0) == ClusterChoice()  # address None: embedded
     assert choose_cluster("10.0.0.1:6379", 2, 1, 0) == ClusterChoice("10.0.0.1:6379")
@@ -231,10 +231,10 @@ def test_unreachable_cluster_fails_within_its_timeout(tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"colour": "red"}, "unknown key 'colour'"),
-    ({"nodes": 0}, "nodes must be >= 1"),
-    ({"placement": "RANDOM"}, "placement must be one of PACK, SPREAD"),
-    ({"address": "ftp://x"}, "address must be local or http://HOST:PORT"),
+    ({"colour": "red"}, "colour: unknown key"),
+    ({"nodes": 0}, "nodes: must be >= 1"),
+    ({"placement": "RANDOM"}, "placement: must be one of PACK, SPREAD"),
+    ({"address": "ftp://x"}, "address: must be local or http://HOST:PORT"),
     ({"auth": {"token": "abc"}}, "never put a token in a profile"),
 ])
 def test_bad_profiles_are_one_line_errors(tmp_path, fields, message):
@@ -266,12 +266,15 @@ def build(input_shape, num_classes, hidden: int = 16):
 PROJECT_DATA = '''
 import os
 
+import ray
+
 from raytrain_app.data.parquet import parquet
 
 
 def build(path, eval_fraction, split_seed):
-    # Runs in the uploaded copy of the project on every node: what `excludes` names never arrives.
-    if os.path.exists("scratch/huge.bin"):
+    # On every node (where Ray is up) this runs in the uploaded copy of the project: what
+    # `excludes` names never arrives. `submit` also runs it here first, where the file exists.
+    if ray.is_initialized() and os.path.exists("scratch/huge.bin"):
         raise RuntimeError("excluded file was uploaded")
     if os.environ.get("RTPROJ_FAIL"):
         raise RuntimeError("asked to fail on the cluster")

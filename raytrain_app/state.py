@@ -1,0 +1,123 @@
+"""What a run carries from step to step, and so what a checkpoint captures.
+
+Each piece says what it holds with `state_dict()` and takes it back with `load_state_dict()`, as
+torchtitan's components do; `checkpoint.py` only writes and reads those dicts. A TrainState has
+two parts: what every rank shares (weights, optimizer, schedule, loss scale, and the position in
+training: completed epochs, optimizer steps, micro-batches done in the epoch under way, which is
+also where each rank's sampler restarts), saved by rank 0; and what each rank alone holds (its
+random streams, its running loss sums and time within the epoch), saved by every rank.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from raytrain_app import optim
+from raytrain_app.metrics import Totals
+
+
+class RNG:
+    """This process's random streams: Python's, NumPy's, torch's and CUDA's. Dropout and
+    augmentation draw from them, so a resumed run must continue each where it stopped."""
+
+    @staticmethod
+    def state_dict() -> dict:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        }
+
+    @staticmethod
+    def load_state_dict(saved: dict) -> None:
+        torch.set_rng_state(saved["torch"])
+        if saved["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda"])
+        random.setstate(_tuples(saved["python"]))
+        kind, keys, pos, has_gauss, gauss = saved["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+class EpochClock:
+    """Seconds of training in the epoch under way, carried over a mid-epoch checkpoint so that a
+    resumed epoch reports its whole time."""
+
+    def __init__(self):
+        self.spent, self.since = 0.0, None
+
+    def start(self) -> None:
+        self.since = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return self.spent + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+    def reset(self) -> None:
+        self.spent, self.since = 0.0, None
+
+    def state_dict(self) -> dict:
+        return {"spent": self.elapsed()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.spent, self.since = saved["spent"], None
+
+
+@dataclass
+class TrainState:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: Optional[torch.amp.GradScaler]
+    epoch: int = 0  # completed epochs
+    step: int = 0  # optimizer steps taken
+    batch: int = 0  # micro-batches done in the epoch under way (non-zero only mid-epoch)
+    totals: Optional[Totals] = None  # this rank's running train-loss sums in the epoch under way
+    clock: EpochClock = field(default_factory=EpochClock)
+
+    def finish_epoch(self) -> None:
+        self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
+        self.clock.reset()
+
+    def state_dict(self) -> dict:
+        """What every rank shares, saved once (by rank 0)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "epoch": self.epoch,
+            "step": self.step,
+            "batch": self.batch,
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.model.load_state_dict(saved["model"])
+        optim.load_state(self.optimizer, self.scheduler, saved["optimizer"], saved["scheduler"])
+        if self.scaler and saved["scaler"]:
+            self.scaler.load_state_dict(saved["scaler"])
+        self.epoch, self.step, self.batch = saved["epoch"], saved["step"], saved["batch"]
+
+    def rank_state_dict(self) -> dict:
+        """What this rank alone holds, saved by every rank."""
+        mid_epoch = self.batch and self.totals is not None
+        return {"rng": RNG.state_dict(), "totals": self.totals.state_dict() if mid_epoch else None,
+                "clock": self.clock.state_dict()}
+
+    def load_rank_state_dict(self, saved: dict, device: torch.device) -> None:
+        RNG.load_state_dict(saved["rng"])
+        if self.batch and saved["totals"] is not None:
+            self.totals = Totals(device)
+            self.totals.load_state_dict(saved["totals"])
+            self.clock.load_state_dict(saved["clock"])
+
+
+def _tuples(value):
+    """weights_only loading may hand back lists where tuples were saved; random.setstate needs tuples."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
