@@ -63,7 +63,7 @@ def main() -> None:
     with embedded_cluster(num_cpus=cpus, num_gpus=0, log_dir=os.path.join(tmp, "logs")):
         for w, plan in plans.items():
             result = run_training(plan, echo=lambda *_: None)
-            histories[w], walls[w] = result.history, result.wall_s
+            histories[w], walls[w] = result.metrics, result.wall_s
 
     def median_of(w: int, key: str):
         """Median of a metric over the epochs after the first; None where the rows do not carry it."""

@@ -308,7 +308,7 @@ def main() -> None:
                 rates["plain-torchtrainer"], wall["plain-torchtrainer"], worker_threads = plain_torchtrainer(args, tmp)
             if "raytrain-app" in variants:
                 result = run_training(plan, echo=lambda *_: None)
-                rates["raytrain-app"] = [row["samples_per_s"] for row in result.history]
+                rates["raytrain-app"] = [row["samples_per_s"] for row in result.metrics]
                 wall["raytrain-app"] = result.wall_s
 
     median = {name: median_after_first(r) for name, r in rates.items()}

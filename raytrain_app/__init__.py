@@ -1,1 +1,10 @@
+"""raytrain-app: data-parallel PyTorch training on Ray clusters.
 
+The public API; the `raytrain-app` command is a thin layer over it.
+"""
+
+from raytrain_app.api import fit, load_model
+from raytrain_app.errors import ConfigError, TrainingFailed, UserError
+from raytrain_app.report import Result
+
+__all__ = ["fit", "load_model", "Result", "UserError", "ConfigError", "TrainingFailed"]

@@ -1,4 +1,5 @@
-"""The library's entry point: `fit` trains a job the way `raytrain-app train` does.
+"""The library's entry points: `fit` trains a job the way `raytrain-app train` does, and
+`load_model` gives back a trained model for inference.
 
 config -> plan (auto choices, run directory, checks on this machine) -> a Ray cluster (embedded,
 joined, or at an address) -> Ray Train -> the result. The CLI is a thin layer over this.
@@ -12,26 +13,30 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from raytrain_app.config import JobConfig, load_config, with_overrides
+from raytrain_app.errors import UserError
 
 
-def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Sequence[str] = (), workers: Optional[int] = None,
-        gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None, address: Optional[str] = None,
-        resume: bool = False, verbose: bool = False, progress: bool = False, echo: Callable[[str], None] = print,
-        started: Optional[float] = None):
+def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequence[str]] = None,
+        workers: Optional[int] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
+        address: Optional[str] = None, resume: bool = False, verbose: bool = False, progress: bool = False,
+        echo: Callable[[str], None] = print, started: Optional[float] = None):
     """Train `config` (a YAML path, "-" for standard input, a dict, or a JobConfig) and return the
-    run's result (`RunResult`: run_dir, history, best and last checkpoint, wall time).
+    run's `Result` (run_dir, metrics per epoch, best and final checkpoint, wall time).
 
-    `overrides` are `--set` expressions; `workers`/`gpus_per_worker` set the scaling; `address`
-    picks the cluster as `--address` does; `echo` receives the console lines. Raises UserError
-    for anything the user can fix, TrainingFailed when training started and did not finish.
+    In a dict or JobConfig, `model.name` and `data.name` may be the builder functions themselves
+    (a notebook's, say). `overrides` are `--set` expressions; `workers`/`gpus_per_worker` set the
+    scaling; `address` picks the cluster as `--address` does, and a process already connected to
+    Ray (`ray.init()` done) trains there; `echo` receives the console lines. Raises UserError
+    (ConfigError) for anything the user can fix, TrainingFailed when training started and did not
+    finish.
     """
     marks = {"start": started or time.time()}
     scaling = {k: v for k, v in (("workers", workers), ("gpus_per_worker", gpus_per_worker)) if v is not None}
-    sets = [*overrides, *(f"scaling.{key}={value}" for key, value in scaling.items())]
+    sets = [*(overrides or ()), *(f"scaling.{key}={value}" for key, value in scaling.items())]
     if isinstance(config, (str, Path)):
         source, job = str(config), load_config(config, sets)
     else:
-        raw = config.to_dict() if isinstance(config, JobConfig) else config
+        raw = config.to_python() if isinstance(config, JobConfig) else config
         source, job = "<config>", with_overrides(raw, sets)
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
@@ -54,3 +59,24 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Sequence[str] =
             return run_training(plan, progress=progress, echo=echo, marks=marks)
     finally:
         plan.upload_logs()
+
+
+def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None):
+    """The trained model, weights loaded and in eval mode, from a checkpoint directory or a run
+    directory (its newest checkpoint); local paths or URIs.
+
+    The model is rebuilt from the config and input shape saved in the checkpoint; `model` is the
+    builder to use instead of the saved name (needed when training was given a notebook's function).
+    """
+    from raytrain_app import checkpoint, registry
+    from raytrain_app.models import BUILTINS
+
+    directory = checkpoint.find(str(checkpoint_or_run_dir))
+    saved = checkpoint.load_state(directory)
+    if "input_shape" not in saved:
+        raise UserError(f"{directory} was written by an older raytrain-app that did not record the model's inputs")
+    config = JobConfig.from_dict(saved["config"], source=directory).model
+    context = {"input_shape": tuple(saved["input_shape"]), "num_classes": saved["num_classes"]}
+    built = registry.build(model or config.name, config.args, BUILTINS, "model", context)
+    built.load_state_dict(saved["model"])
+    return built.eval()

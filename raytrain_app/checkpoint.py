@@ -23,6 +23,7 @@ import pyarrow.fs as pafs
 import torch
 
 from raytrain_app import storage
+from raytrain_app.errors import UserError
 from raytrain_app.state import TrainState
 
 STATE_FILE = "state.pt"
@@ -33,9 +34,10 @@ STATE_FILE = "state.pt"
 WORST_SCORE = {"max": -sys.float_info.max, "min": sys.float_info.max}
 
 
-def save(directory: str, rank: int, state: TrainState, config: dict) -> None:
+def save(directory: str, rank: int, state: TrainState, about: dict) -> None:
+    """`about`: plain data saved beside rank 0's state (the config, the model's input shape)."""
     if rank == 0:
-        _write(directory, STATE_FILE, {**state.state_dict(), "config": config})
+        _write(directory, STATE_FILE, {**state.state_dict(), **about})
     _write(directory, f"rank{rank}.pt", state.rank_state_dict())
 
 
@@ -74,6 +76,17 @@ def verify(directory: str, rank: int) -> Optional[str]:
         if _sha256(path) != expected:
             return f"{name} does not match its checksum (partial or corrupted write)"
     return None
+
+
+def find(path: str) -> str:
+    """`path` when it is a checkpoint, else the newest checkpoint of the run directory `path`
+    (Ray names them by time)."""
+    if storage.exists(storage.join(path, STATE_FILE)):
+        return path
+    names = [name for name in storage.subdirectories(path) if name.startswith("checkpoint_")]
+    if not names:
+        raise UserError(f"no checkpoint in {path}: name a run directory or one of its checkpoint_* directories")
+    return storage.join(path, names[-1])
 
 
 def load_state(checkpoint_dir: str) -> dict:

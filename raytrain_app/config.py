@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Sequence
+from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from raytrain_app.configfile import ConfigDoc, dumps, read_yaml, validated
 
@@ -31,15 +32,26 @@ class Section(BaseModel):
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 
 
-class ModelConfig(Section):
-    name: str = Field("lenet", description='lenet | mlp | resnet18 | "pkg.module:build"')
+# A builder is named in YAML; from Python (`raytrain_app.fit`) it may also be the function itself,
+# which the workers receive by value, as a notebook's functions must be. Files and schemas name it.
+Builder = Union[str, SkipJsonSchema[Callable[..., Any]]]
+
+
+class BuilderSection(Section):
+    @field_serializer("name", when_used="json", check_fields=False)
+    def _named(self, value: Builder) -> str:
+        return value if isinstance(value, str) else f"{value.__module__}:{value.__qualname__}"
+
+
+class ModelConfig(BuilderSection):
+    name: Builder = Field("lenet", description='lenet | mlp | resnet18 | "pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder, checked "
                                                                    "against its signature before anything starts")
 
 
-class DataConfig(Section):
-    name: str = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | synthetic | '
-                                            '"pkg.module:build"')
+class DataConfig(BuilderSection):
+    name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | synthetic | '
+                                                '"pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder (see Datasets)")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share for datasets without a test split")
     split_seed: int = Field(0, description="that split is fixed by this seed")
@@ -175,7 +187,12 @@ class JobConfig(Section):
         return self
 
     def to_dict(self) -> dict:
+        """Plain data, as a file holds it (builders given as functions become their import paths)."""
         return self.model_dump(mode="json")
+
+    def to_python(self) -> dict:
+        """Plain data that keeps builders given as functions: what workers and copies receive."""
+        return self.model_dump()
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "<config>") -> "JobConfig":
@@ -201,7 +218,7 @@ def _with_overrides(doc: ConfigDoc, overrides: Sequence[str]) -> JobConfig:
 
 def updated(config: JobConfig, changes: dict, source: str = "<config>") -> JobConfig:
     """A copy with `changes` (nested sections as dicts) merged in, validated again."""
-    return validated(JobConfig, ConfigDoc(_merge(config.to_dict(), changes), source))
+    return validated(JobConfig, ConfigDoc(_merge(config.to_python(), changes), source))
 
 
 def dump_yaml(config: JobConfig) -> str:

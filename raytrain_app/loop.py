@@ -104,7 +104,10 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
         restored = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device, run_dir,
                                                   report.warn)
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
-    after_step = AfterStep(job, rank, step.loss_check, report, {"loop": entered, "ready": time.time()})
+    # What each checkpoint holds besides the state: the config, and what the model was built for
+    # (`raytrain_app.load_model` rebuilds it from these).
+    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": data.num_classes}
+    after_step = AfterStep(job, about, rank, step.loss_check, report, {"loop": entered, "ready": time.time()})
 
     try:
         for epoch in range(state.epoch, tc.epochs):
@@ -122,7 +125,7 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
             metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
                                         optimizer.param_groups[0]["lr"], seconds, train_totals, eval_totals)
             save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs
-            report_to_ray(metrics, state, rank, job if save else None)
+            report_to_ray(metrics, state, rank, about if save else None)
             report.epoch(metrics)
             report.sync()
     except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
@@ -215,8 +218,9 @@ class AfterStep:
     run's first step), and every `checkpoint.every_steps` steps a mid-epoch checkpoint records
     the position within the epoch."""
 
-    def __init__(self, job: JobConfig, rank: int, loss_check: LossCheck, report: Reporter, marks: dict):
-        self.job, self.rank, self.loss_check, self.report, self.marks = job, rank, loss_check, report, marks
+    def __init__(self, job: JobConfig, about: dict, rank: int, loss_check: LossCheck, report: Reporter, marks: dict):
+        self.job, self.about, self.rank, self.loss_check, self.report = job, about, rank, loss_check, report
+        self.marks = marks
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
         if state.step == 1:
@@ -227,17 +231,17 @@ class AfterStep:
             # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
             c = self.job.checkpoint
             report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
-                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.rank, self.job)
+                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.rank, self.about)
 
 
-def report_to_ray(metrics: dict, state: TrainState, rank: int, job: Optional[JobConfig]) -> None:
-    """Report to Ray Train, with a checkpoint of `state` when `job` is given (every rank writes its
-    part into a fresh directory; Ray merges them into the run's checkpoint)."""
-    if job is None:
+def report_to_ray(metrics: dict, state: TrainState, rank: int, about: Optional[dict]) -> None:
+    """Report to Ray Train, with a checkpoint of `state` (and `about` it) when `about` is given:
+    every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint."""
+    if about is None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as directory:
-        checkpoint.save(directory, rank, state, job.to_dict())
+        checkpoint.save(directory, rank, state, about)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 

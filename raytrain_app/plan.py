@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_app import storage
+from raytrain_app import registry, storage
 from raytrain_app.config import JobConfig, updated
 from raytrain_app.errors import ConfigError, UserError
 
@@ -104,7 +104,7 @@ def check_data_and_model(config: JobConfig) -> None:
         with torch.no_grad():
             out = model(x[None])
     except Exception as e:
-        raise UserError(f"model '{config.model.name}' cannot take the data's inputs shaped "
+        raise UserError(f"model '{registry.label(config.model.name)}' cannot take the data's inputs shaped "
                         f"{tuple(x.shape)}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     check_labels(data, out.shape[-1])
 

@@ -22,7 +22,9 @@ _STRICT = ConfigDict(strict=True)
 _SCALAR_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def resolve(name: str, builtins: dict[str, Callable], key: str) -> Callable:
+def resolve(name: str | Callable, builtins: dict[str, Callable], key: str) -> Callable:
+    if callable(name):  # given as a function, from Python
+        return name
     if ":" not in name:
         if name in builtins:
             return builtins[name]
@@ -70,7 +72,12 @@ def bind(fn: Callable, args: dict, key: str, context: dict) -> dict:
     return kwargs
 
 
-def build(name: str, args: dict, builtins: dict[str, Callable], key: str, context: dict) -> Any:
+def label(name: str | Callable) -> str:
+    """How errors name a builder: its config name, or a function's import path."""
+    return name if isinstance(name, str) else f"{name.__module__}:{name.__qualname__}"
+
+
+def build(name: str | Callable, args: dict, builtins: dict[str, Callable], key: str, context: dict) -> Any:
     fn = resolve(name, builtins, f"{key}.name")
     kwargs = bind(fn, args, key, context)
     try:
@@ -79,4 +86,4 @@ def build(name: str, args: dict, builtins: dict[str, Callable], key: str, contex
         raise
     except Exception as e:  # a builder refusing its arguments is the user's to fix, not a crash
         detail = str(e).splitlines()[0] if str(e) else ""
-        raise UserError(f"{key}: '{name}' could not be built: {type(e).__name__}: {detail}") from None
+        raise UserError(f"{key}: '{label(name)}' could not be built: {type(e).__name__}: {detail}") from None

@@ -1,13 +1,30 @@
-"""The end-of-run summary table."""
+"""What a finished run returns, and its end-of-run summary table."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
+from raytrain_app.config import JobConfig
 from raytrain_app.console import summary_table
-from raytrain_app.trainer import RunResult
 
 
-def summary(result: RunResult) -> str:
-    last = result.history[-1] if result.history else result.metrics
+@dataclass
+class Result:
+    """What a finished run leaves: where it is, its epochs' metrics, and its checkpoints (URIs)."""
+
+    config: JobConfig  # resolved: every default and `auto` decided
+    run_dir: str
+    metrics: list[dict]  # one row per epoch, as in metrics.jsonl
+    best_checkpoint: Optional[str]  # by checkpoint.metric
+    best_metrics: Optional[dict]  # that checkpoint's row
+    final_checkpoint: Optional[str]
+    wall_s: float
+
+
+
+def summary(result: Result) -> str:
+    last = result.metrics[-1] if result.metrics else {}
     best = result.best_metrics or {}
     c = result.config
     rows = [

@@ -35,29 +35,36 @@ class ClusterChoice:
 
     address: Optional[str] = None
     auth_env: Optional[dict] = None  # RAY_AUTH_* for the cluster's token
+    current: bool = False  # this process is connected already (a library caller ran ray.init)
     note: Optional[str] = None  # what the user is told about the choice
 
 
 def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
                    gpus_per_worker: float) -> ClusterChoice:
     """`--address`: HOST:PORT or `auto` joins that cluster, `local` always starts an embedded one.
-    Without it, a local cluster that `cluster up` started is joined when it is idle and its nodes
-    hold the workers; otherwise an embedded cluster starts."""
+    Without it, a process already connected to Ray (a library caller's) stays on that cluster; else
+    a local cluster that `cluster up` started is joined when it is idle and its nodes hold the
+    workers; else an embedded cluster starts."""
     if address == "local":
         return ClusterChoice()
     if address:
         return ClusterChoice(address)
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        return ClusterChoice(current=True)
     running = running_local_cluster(workers, cpus_per_worker, gpus_per_worker)
     if running:
         return ClusterChoice(f"127.0.0.1:{running.local.port}", running.ray_auth_env(),
-                             f"using the running local cluster '{running.name}' (--address local starts a fresh one)")
+                             note=f"using the running local cluster '{running.name}' (--address local starts a "
+                                  "fresh one)")
     return ClusterChoice()
 
 
 @contextmanager
 def ray_session(choice: ClusterChoice, num_cpus: int, log_dir: Optional[str] = None,
                 verbose: bool = False) -> Iterator[None]:
-    if choice.address is None:
+    if choice.current:  # the caller's connection, left as it was
+        yield
+    elif choice.address is None:
         with embedded_cluster(num_cpus, log_dir=log_dir, verbose=verbose):
             yield
     else:

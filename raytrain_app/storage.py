@@ -43,6 +43,16 @@ def exists(path: str) -> bool:
         raise UserError(f"cannot read {path}: {explain(e)}") from None
 
 
+def subdirectories(path: str) -> list[str]:
+    """Names of the directories directly under `path` (none when it does not exist)."""
+    fs, p = filesystem_for(path)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"cannot list {path}: {explain(e)}") from None
+    return sorted(info.base_name for info in infos if info.type == pafs.FileType.Directory)
+
+
 def write_text(path: str, text: str) -> None:
     """Write then rename, so a reader never sees half a file (object stores write whole objects anyway)."""
     fs, p = filesystem_for(path)

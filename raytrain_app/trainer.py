@@ -12,7 +12,6 @@ import os
 import threading
 import time
 from contextlib import suppress
-from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
@@ -29,21 +28,10 @@ from raytrain_app.errors import (TrainingFailed, UserError, describe, describe_r
                                   timed_out)
 from raytrain_app.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.plan import RunPlan
+from raytrain_app.report import Result
 
 
-@dataclass
-class RunResult:
-    config: JobConfig  # resolved
-    run_dir: str
-    history: list[dict]
-    best_checkpoint: Optional[str]
-    best_metrics: Optional[dict]
-    last_checkpoint: Optional[str]
-    wall_s: float
-    metrics: dict = field(default_factory=dict)
-
-
-def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None) -> RunResult:
+def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None) -> Result:
     """Run the plan on the Ray cluster this process is connected to.
 
     `marks` are the caller's wall-clock start-up marks ("start", "planned", "cluster"); with the
@@ -58,7 +46,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
 
     _ray_train_settings(config)
     events = Queue()
-    args = WorkerArgs(job=config.to_dict(), run_dir=plan.run_dir, events=events, progress=progress,
+    args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=events, progress=progress,
                       log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd())
     trainer = TorchTrainer(
         functools.partial(train_loop_per_worker, args),
@@ -97,15 +85,14 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
         raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
     best, best_metrics = _best(result.best_checkpoints or [], config.checkpoint)
-    return RunResult(
+    return Result(
         config=config,
         run_dir=plan.run_dir,
-        history=history.rows(),
+        metrics=history.rows(),
         best_checkpoint=storage.checkpoint_uri(plan.run_dir, best) if best else None,
         best_metrics=best_metrics,
-        last_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
+        final_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
         wall_s=time.perf_counter() - t0,
-        metrics=result.metrics or {},
     )
 
 

@@ -38,7 +38,7 @@ def run(config: JobConfig, run_dir, resume=False):
 
 
 def final_weights(result) -> dict:
-    return checkpoint.load_state(result.last_checkpoint)["model"]
+    return checkpoint.load_state(result.final_checkpoint)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_metrics_are_all_reduced_over_every_rank(table, tmp_path):
     # lr ~ 0 keeps the weights at their initial values, so the training loss has a closed form too.
     config = job(data=table, optimizer={"lr": 1e-12}, train={"epochs": 1})
     result = run(config, tmp_path / "run")
-    reported = result.history[-1]
+    reported = result.metrics[-1]
 
     data = build_datasets(config.data)
     seed_everything(config.seed)
@@ -111,11 +111,11 @@ def test_two_workers_match_one_worker_at_the_same_global_batch(table, tmp_path):
                   scaling={"workers": 2}), tmp_path / "two")
     for name, w in final_weights(one).items():
         torch.testing.assert_close(final_weights(two)[name], w, rtol=1e-4, atol=1e-5)
-    assert two.history[-1]["train_loss"] == pytest.approx(one.history[-1]["train_loss"], rel=1e-4)
-    assert two.history[-1]["step"] == one.history[-1]["step"] == 2 * 6  # 96 rows / 16 per step, 2 epochs
+    assert two.metrics[-1]["train_loss"] == pytest.approx(one.metrics[-1]["train_loss"], rel=1e-4)
+    assert two.metrics[-1]["step"] == one.metrics[-1]["step"] == 2 * 6  # 96 rows / 16 per step, 2 epochs
     # Where the time went: measured data wait, estimated all-reduce (none at one worker), the rest compute.
     for result, workers in ((one, 1), (two, 2)):
-        row = result.history[-1]
+        row = result.metrics[-1]
         assert row["data_wait_frac"] + row["comm_frac"] + row["compute_frac"] == pytest.approx(1.0)
         assert (row["comm_frac"] > 0) == (workers == 2)
         assert "tflops_per_worker" not in row and "mfu" not in row  # FLOPs are counted for GPUs' MFU only

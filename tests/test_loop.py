@@ -103,7 +103,7 @@ def test_checkpoint_round_trip_with_safe_loading(tmp_path):
     _, loader, state, prec = setup()
     train_epoch(Step(state.model, prec), loader, state)
     state.finish_epoch()
-    checkpoint.save(str(tmp_path), 0, state, config=JobConfig().to_dict())
+    checkpoint.save(str(tmp_path), 0, state, about={"config": JobConfig().to_dict()})
     expected = torch.rand(3)  # drawn after the save: restoring must replay it
 
     _, _, fresh, _ = setup()

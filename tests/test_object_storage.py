@@ -78,7 +78,7 @@ def test_a_run_lands_in_the_bucket_with_uris_shown(s3, straight):
         assert f"{PREFIX}/straight/{name}" in keys, name
     assert any(re.search(r"/checkpoint_[^/]+/state\.pt$", k) for k in keys)
     assert [row["epoch"] for row in metrics(s3, "straight")] == [1, 2]
-    for uri in (straight.best_checkpoint, straight.last_checkpoint):
+    for uri in (straight.best_checkpoint, straight.final_checkpoint):
         assert uri.startswith(f"s3://{s3.bucket}/{PREFIX}/straight/checkpoint_")
 
 
@@ -118,7 +118,7 @@ def test_resume_extends_the_run_and_skips_a_damaged_checkpoint_object(s3, straig
     marker = tmp_path / "never"
     lines = []
     train(run_dir, marker, 3, resume=True, echo=lines.append)
-    assert f"resumed from {straight.last_checkpoint} at step {2 * STEPS_PER_EPOCH}: epoch 3 from batch 0" in lines
+    assert f"resumed from {straight.final_checkpoint} at step {2 * STEPS_PER_EPOCH}: epoch 3 from batch 0" in lines
     assert [line.split("|")[0].strip() for line in epoch_lines("\n".join(lines))] == ["epoch 3/3"]  # only the new one
     assert [row["epoch"] for row in metrics(s3, "straight")] == [1, 2, 3]
 

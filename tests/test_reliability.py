@@ -59,10 +59,10 @@ def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path
     step, epoch, batch, _ = resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())
     assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
 
-    assert [row["epoch"] for row in killed.history] == [1, 2]
+    assert [row["epoch"] for row in killed.metrics] == [1, 2]
     for name, w in final_weights(straight).items():
         assert torch.equal(final_weights(killed)[name], w), name
-    assert killed.history[-1]["train_loss"] == pytest.approx(straight.history[-1]["train_loss"], rel=1e-12)
+    assert killed.metrics[-1]["train_loss"] == pytest.approx(straight.metrics[-1]["train_loss"], rel=1e-12)
 
 
 def test_resume_after_a_crash_reproduces_the_uninterrupted_run(straight, tmp_path):
@@ -78,7 +78,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(straight, tmp_pat
     step, epoch, batch, after = resumed_at((tmp_path / "crashed" / "logs" / "rank-0.log").read_text())
     assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
     assert re.findall(r" INFO epoch (\d+) ", after) == ["2"]
-    assert [row["epoch"] for row in resumed.history] == [1, 2]
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2]
     for name, w in final_weights(straight).items():
         assert torch.equal(final_weights(resumed)[name], w), name
 
@@ -141,14 +141,14 @@ def test_damaged_and_hostile_checkpoints_are_reported_and_skipped(tmp_path):
     assert f"resumed from {first} at step 12: epoch 2 from batch 0" in lines
     assert [line.split("|")[0].strip() for line in lines if line.startswith("epoch ")] == [
         "epoch 2/4", "epoch 3/4", "epoch 4/4"]
-    assert [row["epoch"] for row in resumed.history] == [1, 2, 3, 4]
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
 
 
 def test_checkpoint_files_verify_and_detect_damage(tmp_path):
     state = TrainState(torch.nn.Linear(2, 2), None, None, None)
     state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
     state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
-    checkpoint.save(str(tmp_path), 0, state, config={})
+    checkpoint.save(str(tmp_path), 0, state, about={})
     assert checkpoint.verify(str(tmp_path), 0) is None
     assert not list(tmp_path.glob("*.tmp"))  # written under temporary names, then renamed
     (tmp_path / "rank0.pt").write_bytes(b"garbage")
@@ -162,7 +162,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monke
     state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
     state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
     state.epoch = 1
-    checkpoint.save(str(tmp_path), 0, state, config={})
+    checkpoint.save(str(tmp_path), 0, state, about={})
     before = (tmp_path / "state.pt").read_bytes()
 
     def disk_full(obj, path):  # half the bytes reach the disk, then the write fails
@@ -173,7 +173,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monke
     monkeypatch.setattr(torch, "save", disk_full)
     state.epoch = 2
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save(str(tmp_path), 0, state, config={})
+        checkpoint.save(str(tmp_path), 0, state, about={})
     assert (tmp_path / "state.pt").read_bytes() == before  # the previous file, whole
     assert checkpoint.verify(str(tmp_path), 0) is None and checkpoint.load_state(str(tmp_path))["epoch"] == 1
     assert not list(tmp_path.glob("*.tmp"))  # and no torn temporary left behind
@@ -202,8 +202,8 @@ def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(t
     lower = faulty(marker, at=30, fault="nan", schedule={"name": "constant"}, optimizer={"lr": 0.05})
     resumed = run_training(make_plan(lower, run_dir=str(tmp_path / "run"), resume=True), echo=lines.append)
     assert any(re.match(r"resumed from \S+ at step 23: epoch 2 from batch 0$", line) for line in lines), lines
-    assert [row["epoch"] for row in resumed.history] == [1, 2]
-    assert resumed.history[-1]["lr"] == 0.05 and resumed.history[-1]["train_loss"] < resumed.history[0]["train_loss"]
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2]
+    assert resumed.metrics[-1]["lr"] == 0.05 and resumed.metrics[-1]["train_loss"] < resumed.metrics[0]["train_loss"]
 
 
 def test_stop_on_nonfinite_false_trains_on(tmp_path):
@@ -211,5 +211,5 @@ def test_stop_on_nonfinite_false_trains_on(tmp_path):
     marker.touch()
     config = faulty(marker, at=30, fault="nan", train={"epochs": 2, "batch_size": 32, "stop_on_nonfinite": False})
     result = run(config, tmp_path / "run")
-    assert [row["epoch"] for row in result.history] == [1, 2]
-    assert not marker.exists() and math.isnan(result.history[-1]["train_loss"])
+    assert [row["epoch"] for row in result.metrics] == [1, 2]
+    assert not marker.exists() and math.isnan(result.metrics[-1]["train_loss"])

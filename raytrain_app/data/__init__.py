@@ -51,11 +51,11 @@ def build_datasets(config: DataConfig) -> Datasets:
     context = {"eval_fraction": config.eval_fraction, "split_seed": config.split_seed}
     built = registry.build(config.name, config.args, BUILTINS, "data", context)
     if not (isinstance(built, tuple) and len(built) == 2):
-        raise UserError(f"data: '{config.name}' must return a (train, eval) pair of datasets, got {type(built).__name__}")
+        raise UserError(f"data: '{registry.label(config.name)}' must return a (train, eval) pair of datasets, got {type(built).__name__}")
     train, eval_ = built
     for split_name, ds in (("training", train), ("eval", eval_)):
         if len(ds) == 0:
-            raise UserError(f"data: '{config.name}' gave an empty {split_name} set")
+            raise UserError(f"data: '{registry.label(config.name)}' gave an empty {split_name} set")
     x, _ = train[0]
     return Datasets(train, eval_, tuple(x.shape), _num_classes(train, eval_))
 

@@ -22,5 +22,5 @@ def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: 
     context = {"input_shape": tuple(input_shape), "num_classes": num_classes}
     model = registry.build(config.name, config.args, BUILTINS, "model", context)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model: '{config.name}' returned {type(model).__name__}, not a torch.nn.Module")
+        raise ConfigError(f"model: '{registry.label(config.name)}' returned {type(model).__name__}, not a torch.nn.Module")
     return model
