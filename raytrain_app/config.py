@@ -19,6 +19,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from raytrain_app import registry
 from raytrain_app.configfile import ConfigDoc, dumps, read_yaml, validated
 
 
@@ -40,7 +41,7 @@ Builder = Union[str, SkipJsonSchema[Callable[..., Any]]]
 class BuilderSection(Section):
     @field_serializer("name", when_used="json", check_fields=False)
     def _named(self, value: Builder) -> str:
-        return value if isinstance(value, str) else f"{value.__module__}:{value.__qualname__}"
+        return registry.label(value)
 
 
 class ModelConfig(BuilderSection):
