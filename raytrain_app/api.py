@@ -68,15 +68,15 @@ def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None):
     The model is rebuilt from the config and input shape saved in the checkpoint; `model` is the
     builder to use instead of the saved name (needed when training was given a notebook's function).
     """
-    from raytrain_app import checkpoint, registry
-    from raytrain_app.models import BUILTINS
+    from raytrain_app import checkpoint
+    from raytrain_app.models import build_model
 
     directory = checkpoint.find(str(checkpoint_or_run_dir))
     saved = checkpoint.load_state(directory)
     if "input_shape" not in saved:
         raise UserError(f"{directory} was written by an older raytrain-app that did not record the model's inputs")
     config = JobConfig.from_dict(saved["config"], source=directory).model
-    context = {"input_shape": tuple(saved["input_shape"]), "num_classes": saved["num_classes"]}
-    built = registry.build(model or config.name, config.args, BUILTINS, "model", context)
+    built = build_model(config.model_copy(update={"name": model}) if model else config, saved["input_shape"],
+                        saved["num_classes"])
     built.load_state_dict(saved["model"])
     return built.eval()

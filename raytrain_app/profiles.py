@@ -155,11 +155,12 @@ class ClusterProfile(Section):
         """The variables Ray's own processes and clients read their token from: the file's path
         (RAY_AUTH_TOKEN_PATH) when the profile names one, so the token stays out of environments;
         empty when the profile uses no token."""
-        if not self.token():  # the token is readable, or a one-line error
+        token = self.token()  # readable, or a one-line error
+        if not token:
             return {}
         if self.auth.token_file:
             return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": os.path.expanduser(self.auth.token_file)}
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token()}
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
 
     def auth_headers(self) -> dict:
         token = self.token()
