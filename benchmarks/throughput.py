@@ -55,6 +55,7 @@ from raytrain_app.session import embedded_cluster
 from raytrain_app.config import ModelConfig, with_overrides
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.errors import UserError
+from raytrain_app.metrics import peak_flops, train_flops_per_sample
 from raytrain_app.models import build_model
 from raytrain_app.plan import make_plan
 from raytrain_app.trainer import run_training
@@ -322,12 +323,18 @@ def main() -> None:
     print(f"{where}, torch {torch.__version__}; {args.model}, batch {args.batch}, {args.precision}, "
           f"{args.steps} steps x {args.epochs} epochs; run dirs and logs in {tmp}")
     order = [n for n in LABELS if n in rates]
-    print_table(["variant", "samples/s", "wall s", "vs best plain loop", "vs seed-style"],
+    # MFU: every variant does the same FLOPs per sample; the peak is the GPU's bf16 dense one,
+    # also for seed-style's fp32, so its figure says how far fp32 stays from what the chip offers.
+    flops = train_flops_per_sample(make_model(args.model, torch.device("cpu"))[0], tuple(SHAPE))
+    peak = peak_flops(torch.cuda.get_device_name(device), "bf16") if on_cuda else None
+    mfu = {n: f"{median[n] * flops / peak:.1%}" if flops and peak else "-" for n in order}
+    print_table(["variant", "samples/s", "wall s", "vs best plain loop", "vs seed-style", "MFU (bf16 peak)"],
                 [[LABELS[n], f"{median[n]:,.0f}", f"{wall[n]:.1f}", ratio(median[n], best_plain),
-                  ratio(median[n], seed)] for n in order])
+                  ratio(median[n], seed), mfu[n]] for n in order])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": where, "torch": torch.__version__, "args": vars(args),
+                       "flops_per_sample": flops, "peak_flops": peak,
                        "results": [{"variant": n, "samples_per_s": median[n], "wall_s": wall[n],
                                     "samples_per_s_by_epoch": rates[n]} for n in order]}, f, indent=1)
 

@@ -129,7 +129,8 @@ class ScalingConfig(Section):
     workers: int = Field(2, ge=1)
     gpus_per_worker: float = Field(0.0, ge=0, allow_inf_nan=False)
     cpus_per_worker: float = Field(1.0, gt=0, allow_inf_nan=False)
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl with GPUs, gloo without")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl with a whole GPU per worker, "
+                                                                         "gloo with shared GPUs or none")
     timeout_s: int = Field(600, ge=1, description="collective timeout: torch's process group and Ray Train's own "
                                                   "barriers")
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
@@ -139,6 +140,11 @@ class ScalingConfig(Section):
     def _nccl_needs_gpus(self):
         if self.backend == "nccl" and self.gpus_per_worker == 0:
             raise ValueError("backend: nccl needs GPUs (gpus_per_worker is 0): use gloo or auto")
+        # Ray packs fractional GPUs, so workers share a device, and NCCL refuses two ranks on one
+        # ("Duplicate GPU detected"), which it says only after the worker group has started.
+        if self.backend == "nccl" and self.gpus_per_worker < 1 and self.workers > 1:
+            raise ValueError(f"backend: nccl cannot run two ranks on one GPU, and gpus_per_worker "
+                             f"{self.gpus_per_worker:g} makes workers share GPUs: use gloo or auto, or whole GPUs")
         return self
 
 

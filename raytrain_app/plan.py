@@ -68,15 +68,17 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
 
 
 def resolve_auto(config: JobConfig) -> JobConfig:
-    """Every `auto` decided: bf16, channels_last and NCCL with GPUs; fp32 and Gloo without."""
+    """Every `auto` decided: bf16, channels_last and NCCL with GPUs; fp32 and Gloo without, and
+    Gloo where workers share GPUs (NCCL refuses two ranks on one device)."""
     gpu = config.scaling.gpus_per_worker > 0
+    shared = config.scaling.gpus_per_worker < 1 and config.scaling.workers > 1
     train, scaling = {}, {}
     if config.train.precision == "auto":
         train["precision"] = "bf16" if gpu else "fp32"
     if config.train.channels_last == "auto":
         train["channels_last"] = "on" if gpu else "off"
     if config.scaling.backend == "auto":
-        scaling["backend"] = "nccl" if gpu else "gloo"
+        scaling["backend"] = "nccl" if gpu and not shared else "gloo"
     return updated(config, {"train": train, "scaling": scaling})
 
 

