@@ -6,6 +6,7 @@ the cost of the loop's machinery (DistributedSampler, DataLoader, metric sums, L
 
     python benchmarks/step_overhead.py                       # CPU, LeNet, fp32
     python benchmarks/step_overhead.py --model resnet18 --device cuda --precision bf16 --batch 512
+    python benchmarks/step_overhead.py --step custom          # the same step as a custom step function
     python benchmarks/step_overhead.py --model resnet18 --device cuda --precision bf16 --batch 512 \
         --compile reduce-overhead --on-device on --profile    # + a profile of one epoch of each
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig
+from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TaskConfig
 from raytrain_app.data import build_datasets, keep_on_device, to_device, train_loader
 from raytrain_app.loop import Precision, Step, seed_everything, train_epoch
 from raytrain_app.models import build_model
@@ -33,6 +34,7 @@ from raytrain_app.nonfinite import LossCheck
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.state import TrainState
 from raytrain_app.strategy import compiled
+from raytrain_app.tasks import CustomStep, build_task
 
 
 def main() -> None:
@@ -48,6 +50,8 @@ def main() -> None:
     p.add_argument("--compile", default="off", choices=["off", "default", "reduce-overhead", "max-autotune"])
     p.add_argument("--on-device", default="auto", choices=["auto", "on", "off"], help="as data.on_device")
     p.add_argument("--profile", action="store_true", help="then profile one epoch of each loop")
+    p.add_argument("--step", choices=["builtin", "custom"], default="builtin",
+                   help="custom: the same cross-entropy step given as a custom step (task.name: pkg.module:step)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,8 +78,9 @@ def main() -> None:
 
     # The non-finite-loss check is on by default in every run (train.stop_on_nonfinite).
     step_model, graphs = compiled(ours, args.compile, 1, 1, device, print)
+    task = CustomStep(cross_entropy_step) if args.step == "custom" else build_task(TaskConfig())
     step = Step(step_model, precision, device=device, memory_format=fmt, cuda_graphs=graphs,
-                loss_check=LossCheck(device))
+                loss_check=LossCheck(device), task=task)
 
     def run_ours(epoch: int) -> None:
         sampler.set_epoch(epoch)
@@ -138,6 +143,12 @@ def main() -> None:
     if args.profile:
         for name, fn in (("raytrain-app", run_ours), ("hand-written", run_hand)):
             print_profile(name, fn, device, args.steps)
+
+
+def cross_entropy_step(model, batch):
+    """The built-in classification step, written as a user's custom step would be."""
+    x, y = batch
+    return F.cross_entropy(model(x), y)
 
 
 # Host-side calls that wait for the GPU, or copy from it: each one stalls the CPU's kernel queue.

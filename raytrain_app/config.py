@@ -64,6 +64,70 @@ class DataConfig(BuilderSection):
                                                                         "quarter of the GPU's memory)")
 
 
+# What each built-in task can optimise and report: (losses, metrics, default metrics). The first
+# loss is `auto`'s choice. Kept here, free of torch, so the CLI checks a config in a second.
+TASKS = {
+    "classification": (("cross_entropy",), ("accuracy", "top5", "f1_macro"), ("accuracy",)),
+    "regression": (("mse", "l1", "huber"), ("mse", "mae", "r2"), ("mse", "r2")),
+    "multilabel": (("bce",), ("accuracy", "f1_macro"), ("accuracy", "f1_macro")),
+}
+HIGHER_IS_BETTER = {"accuracy", "top5", "f1_macro", "r2"}  # every other metric, and every loss, is lower-better
+
+
+class TaskConfig(BuilderSection):
+    name: Builder = Field("classification", description='classification | regression | multilabel | '
+                                                        '"pkg.module:step", a custom step called as step(model, '
+                                                        'batch) -> loss or (loss, {name: (sum, count)})')
+    loss: Literal["auto", "cross_entropy", "mse", "l1", "huber", "bce"] = Field(
+        "auto", description="auto: cross_entropy, mse, bce by task; a custom step computes its own")
+    label_smoothing: Fraction = Field(0.0, description="cross_entropy")
+    metrics: Optional[list[str]] = Field(None, description="evaluation metrics, reported as eval_NAME; null: the "
+                                                           "task's default. classification: accuracy, top5, "
+                                                           "f1_macro; regression: mse, mae, r2; multilabel: "
+                                                           "accuracy, f1_macro; a custom step: the names it returns")
+    eval_step: Optional[Builder] = Field(None, description='"pkg.module:eval_step" for a custom step\'s evaluation '
+                                                           '(default: the step itself, without gradients)')
+
+    @field_serializer("eval_step", when_used="json")
+    def _named_eval_step(self, value: Optional[Builder]) -> Optional[str]:
+        return None if value is None else registry.label(value)
+
+    @property
+    def custom(self) -> bool:
+        return callable(self.name) or ":" in self.name
+
+    @property
+    def metric_names(self) -> Optional[tuple[str, ...]]:
+        """The eval metrics a built-in task reports; None for a custom step (known once it runs)."""
+        return None if self.custom else tuple(self.metrics or TASKS[self.name][2])
+
+    @model_validator(mode="after")
+    def _fits_the_task(self):
+        if self.custom:
+            given = [k for k, default in (("loss", "auto"), ("label_smoothing", 0.0), ("metrics", None))
+                     if getattr(self, k) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: a custom step computes its own loss and metrics")
+            return self
+        if self.name not in TASKS:
+            raise ValueError(f"name: unknown task '{self.name}' (built-ins: {', '.join(TASKS)}; or a custom step "
+                             f"'pkg.module:step')")
+        losses, metrics, _ = TASKS[self.name]
+        problems = []
+        if self.loss not in ("auto", *losses):
+            problems.append(f"loss: {self.loss} does not fit task {self.name} (choose from {', '.join(losses)})")
+        if self.label_smoothing and self.loss not in ("auto", "cross_entropy"):
+            problems.append("label_smoothing: is used only with cross_entropy")
+        for m in self.metrics or []:
+            if m not in metrics:
+                problems.append(f"metrics: {m} is not a {self.name} metric (choose from {', '.join(metrics)})")
+        if self.eval_step is not None:
+            problems.append("eval_step: is used only with a custom step")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
 class OptimizerConfig(Section):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
     lr: float = Field(0.01, gt=0, allow_inf_nan=False, description="learning rate (per step, before scale_lr)")
@@ -121,8 +185,10 @@ class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0, description="also every N optimizer steps, recording the sampler position "
                                                   "(0: off)")
     keep: int = Field(2, ge=1, description="best K by metric; the latest is always kept too")
-    metric: Literal["eval_accuracy", "eval_loss", "train_loss"] = "eval_accuracy"
-    mode: Literal["max", "min"] = "max"
+    metric: str = Field("auto", description="which metric ranks checkpoints: train_loss, eval_loss or eval_NAME "
+                                            "for a task metric (auto: eval_ + the task's first metric)")
+    mode: Literal["auto", "max", "min"] = Field("auto", description="auto: max for accuracy, top5, f1_macro and "
+                                                                    "r2; min for losses and errors")
 
 
 class ScalingConfig(Section):
@@ -157,6 +223,7 @@ class JobConfig(Section):
     seed: int = Field(0, description="model init uses it on every rank; dropout and augmentation use seed + rank")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -189,6 +256,11 @@ class JobConfig(Section):
             problems.append("train.ddp_static_graph: must be false with train.grad_accum_steps > 1 and more than "
                             "one worker (torch's DDP cannot accumulate gradients under a static graph: "
                             "pytorch/pytorch#143580)")
+        names = self.task.metric_names
+        metric = self.checkpoint.metric
+        if names is not None and metric not in ("auto", "train_loss", "eval_loss", *(f"eval_{m}" for m in names)):
+            problems.append(f"checkpoint.metric: {metric} is not a metric of this run (choose from train_loss, "
+                            f"eval_loss, {', '.join(f'eval_{m}' for m in names)})")
         if problems:
             raise ValueError("\n".join(problems))
         return self

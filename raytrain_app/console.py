@@ -38,10 +38,24 @@ def epoch_line(m: dict, epochs: int) -> str:
     per_worker = f" ({m['samples_per_s_per_worker']:,.0f}/worker)" if m["world_size"] > 1 else ""
     mfu = f", MFU {m['mfu']:.1%}" if "mfu" in m else ""
     return (f"epoch {m['epoch']:>{width}}/{epochs} | train_loss {m['train_loss']:.4f} | eval_loss {m['eval_loss']:.4f}"
-            f" | eval_acc {m['eval_accuracy'] * 100:6.2f}% | {m['samples_per_s']:,.0f} samples/s{per_worker}"
+            f"{''.join(f' | {SHORT.get(name, name)} {text}' for name, text in eval_metrics(m))}"
+            f" | {m['samples_per_s']:,.0f} samples/s"
+            f"{per_worker}"
             f" | lr {m['lr']:.2e} | {m['epoch_time_s']:.1f}s: data {m['data_wait_frac']:.0%},"
             f" comm ~{m['comm_frac']:.0%}, compute {m['compute_frac']:.0%}{mfu}")
 
+
+def eval_metrics(m: dict) -> list[tuple[str, str]]:
+    """The task's eval metrics of a metrics row, as shown: shares as percentages, the rest as numbers."""
+    shown = []
+    for key, value in m.items():
+        if key.startswith("eval_") and key not in ("eval_loss", "eval_samples"):
+            shown.append((key, f"{value * 100:6.2f}%" if key in PERCENTAGES else f"{value:.4f}"))
+    return shown
+
+
+PERCENTAGES = {"eval_accuracy", "eval_top5"}
+SHORT = {"eval_accuracy": "eval_acc"}
 
 STARTUP_PHASES = [
     ("imports+checks", "start", "planned"),

@@ -3,8 +3,10 @@
 Ray Train has already started this process, set its device and joined it to the process group
 (NCCL or Gloo) when `train_loop_per_worker` is called. From there it is plain DDP:
 
-    build data and model -> wrap in DDP -> restore a checkpoint if there is one ->
+    build data, task and model -> wrap in DDP -> restore a checkpoint if there is one ->
     for each epoch: set_epoch, train, evaluate, all-reduce metrics, report (+ checkpoint)
+
+The task (`tasks.py`) decides what a step optimises and what evaluation measures.
 
 `train_epoch` and `evaluate` take no Ray objects, so tests and benchmarks call them without Ray.
 """
@@ -17,26 +19,26 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 import ray.train
 import ray.train.torch
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from raytrain_app import checkpoint
-from raytrain_app.config import JobConfig
+from raytrain_app.config import JobConfig, TaskConfig
 from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
-from raytrain_app.metrics import EpochMetrics, Totals
+from raytrain_app.metrics import EpochMetrics, Sums, Totals
 from raytrain_app.models import build_model
 from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.reporter import Reporter
 from raytrain_app.state import TrainState
 from raytrain_app.strategy import parallelize
+from raytrain_app.tasks import Classification, Task, build_task, model_outputs
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,9 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
     # 1-worker run starts from the same ones), then each rank its own for dropout and augmentation.
     seed_everything(job.seed)
     data = build_datasets(job.data)
-    parallel = parallelize(build_model(job.model, data.input_shape, data.num_classes), tc, world_size, device,
-                           report.warn)
+    task = build_task(job.task)
+    outputs = model_outputs(task, data.train, data.num_classes)
+    parallel = parallelize(build_model(job.model, data.input_shape, outputs), tc, world_size, device, report.warn)
     seed_everything(job.seed + rank)
 
     # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.
@@ -98,7 +101,7 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
     state = TrainState(parallel.model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
                        precision.scaler)
     step = Step(parallel.train_model, precision, tc.grad_accum_steps, tc.grad_clip, device, parallel.memory_format,
-                parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite))
+                parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite), task)
     epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
     if ray.train.get_checkpoint():
         restored = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device, run_dir,
@@ -106,7 +109,7 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
     # What each checkpoint holds besides the state: the config, and what the model was built for
     # (`raytrain_app.load_model` rebuilds it from these).
-    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": data.num_classes}
+    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs}
     after_step = AfterStep(job, about, rank, step.loss_check, report, {"loop": entered, "ready": time.time()})
 
     try:
@@ -120,10 +123,10 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
             seconds = state.clock.elapsed()
-            eval_totals = evaluate(parallel.model, eval_dl, step)
+            evaluated = evaluate(parallel.model, eval_dl, step)
             state.finish_epoch()
             metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
-                                        optimizer.param_groups[0]["lr"], seconds, train_totals, eval_totals)
+                                        optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated)
             save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs
             report_to_ray(metrics, state, rank, about if save else None)
             report.epoch(metrics)
@@ -135,7 +138,8 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
 @dataclass
 class Step:
     """How an optimizer step runs: which model the step calls (DDP and/or compiled), in which
-    precision, over how many micro-batches, with what clipping, and where batches go."""
+    precision, over how many micro-batches, with what clipping, where batches go, and what the
+    task computes from them."""
 
     model: nn.Module
     precision: "Precision"
@@ -145,6 +149,7 @@ class Step:
     memory_format: torch.memory_format = torch.contiguous_format
     cuda_graphs: bool = False  # the compiled step replays CUDA graphs: mark where each step begins
     loss_check: Optional[LossCheck] = None
+    task: Task = field(default_factory=lambda: Classification(TaskConfig()))
 
 
 def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callable[[int], None]] = None,
@@ -161,9 +166,9 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
     totals = state.totals
     n = state.batch + len(loader)
     waited_since = time.perf_counter()
-    for i, (x, y) in enumerate(loader, start=state.batch):
+    for i, batch in enumerate(loader, start=state.batch):
         totals.data_wait_s += time.perf_counter() - waited_since  # the loader's share of the epoch
-        x, y = _to_device(x, step.device, step.memory_format), y.to(step.device, non_blocking=True)
+        batch = step.task.move(batch, step.device, step.memory_format)
         window_start = i - i % step.accum_steps
         window_end = min(window_start + step.accum_steps, n)  # the epoch's last window may be shorter
         last = i + 1 == window_end
@@ -172,10 +177,10 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
             torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         with sync:
             with step.precision.autocast():
-                loss = F.cross_entropy(step.model(x), y)
+                loss, count = step.task.train_loss(step.model, batch)
             window = window_end - window_start
             step.precision.backward(loss / window if window > 1 else loss)
-        totals.add(loss, len(y))
+        totals.add(loss, count)
         state.batch = i + 1
         if last:
             lr = state.optimizer.param_groups[0]["lr"]
@@ -196,21 +201,21 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, step: Step) -> Totals:
-    """Loss and accuracy over this rank's unpadded eval shard.
+def evaluate(model: nn.Module, loader, step: Step) -> dict[str, float]:
+    """The task's metrics over every rank's unpadded eval shard: each rank sums over its own,
+    the sums are all-reduced, and only then divided.
 
     Takes the bare model, not the DDP wrapper: evaluation needs no gradient sync, and ranks may
     hold one batch more or less than each other.
     """
     model.eval()
-    totals = Totals(step.device)
-    for x, y in loader:
-        x, y = _to_device(x, step.device, step.memory_format), y.to(step.device, non_blocking=True)
+    sums = Sums()
+    for batch in loader:
+        batch = step.task.move(batch, step.device, step.memory_format)
         with step.precision.autocast():
-            logits = model(x)
-        totals.add(F.cross_entropy(logits.float(), y), len(y), (logits.argmax(1) == y).sum())
+            sums.add(step.task.eval_sums(model, batch))
     model.train()
-    return totals
+    return step.task.metrics(sums.all_reduce())
 
 
 class AfterStep:
@@ -269,12 +274,6 @@ class Precision:
             self.scaler.update()
         else:
             optimizer.step()
-
-
-def _to_device(x: torch.Tensor, device: torch.device, memory_format: torch.memory_format) -> torch.Tensor:
-    if x.dim() == 4 and memory_format is not torch.contiguous_format:
-        return x.to(device, non_blocking=True, memory_format=memory_format)
-    return x.to(device, non_blocking=True)
 
 
 def seed_everything(seed: int) -> None:

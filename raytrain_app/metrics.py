@@ -19,31 +19,29 @@ from torch import nn
 
 
 class Totals:
-    """Running sums of (loss x samples, correct predictions, samples, data wait) on one rank.
+    """Running sums of (loss x samples, samples, data wait) over a rank's training epoch.
 
     The sample count lives on the host (it is known there), so a training step costs one
     device op here.
     """
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
         self.samples = 0
         self.data_wait_s = 0.0  # host time spent waiting for batches
 
-    def add(self, mean_loss: torch.Tensor, count: int, correct: torch.Tensor | None = None) -> None:
+    def add(self, mean_loss: torch.Tensor, count: int) -> None:
         self.sums[0].add_(mean_loss.detach(), alpha=count)
         self.samples += count
-        if correct is not None:
-            self.sums[1].add_(correct)
 
     def all_reduce(self) -> "Totals":
         """Sum over ranks; afterwards `data_wait_s` is the mean over ranks."""
-        self.sums[2], self.sums[3] = self.samples, self.data_wait_s
+        self.sums[1], self.sums[2] = self.samples, self.data_wait_s
         world = 1
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(self.sums)
             world = dist.get_world_size()
-        self.samples, self.data_wait_s = int(self.sums[2]), float(self.sums[3]) / world
+        self.samples, self.data_wait_s = int(self.sums[1]), float(self.sums[2]) / world
         return self
 
     def state_dict(self) -> dict:
@@ -57,9 +55,30 @@ class Totals:
     def loss(self) -> float:
         return float(self.sums[0]) / self.samples
 
-    @property
-    def accuracy(self) -> float:
-        return float(self.sums[1]) / self.samples
+
+class Sums:
+    """Named sums (scalars or per-class vectors) over a rank's eval shard, all-reduced in one
+    collective. Every rank adds the same names, since every rank's shard holds a batch."""
+
+    def __init__(self):
+        self.values: dict[str, torch.Tensor] = {}
+
+    def add(self, sums: dict[str, torch.Tensor]) -> None:
+        for name, value in sums.items():
+            value = value.detach().double()
+            if name in self.values:
+                self.values[name] += value
+            else:
+                self.values[name] = value.clone()
+
+    def all_reduce(self) -> dict[str, torch.Tensor]:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            names = sorted(self.values)
+            flat = torch.cat([self.values[n].reshape(-1) for n in names])
+            dist.all_reduce(flat)
+            for name, part in zip(names, flat.split([self.values[n].numel() for n in names])):
+                self.values[name] = part.reshape(self.values[name].shape)
+        return self.values
 
 
 def global_max(value: float, device: torch.device) -> float:
@@ -166,18 +185,16 @@ class EpochMetrics:
         self.flops_per_sample: Optional[float] = None
 
     def row(self, epoch: int, step: int, steps: int, lr: float, seconds: float, train: Totals,
-            evaluated: Totals) -> dict:
-        """`steps`: optimizer steps this epoch (this run's share of it when resumed inside it)."""
+            evaluated: dict[str, float]) -> dict:
+        """`steps`: optimizer steps this epoch (this run's share of it when resumed inside it);
+        `evaluated`: the task's metrics over all ranks' eval shards (loss, samples, each metric)."""
         train.all_reduce()
-        evaluated.all_reduce()
         slowest = global_max(seconds, self.device)
         row = {
             "epoch": epoch,
             "step": step,
             "train_loss": train.loss,
-            "eval_loss": evaluated.loss,
-            "eval_accuracy": evaluated.accuracy,
-            "eval_samples": evaluated.samples,
+            **{f"eval_{name}": value for name, value in evaluated.items()},
             "samples_per_s": train.samples / slowest,
             "samples_per_s_per_worker": train.samples / slowest / self.world_size,
             **time_split(slowest, train.data_wait_s, steps, self.sync_s),

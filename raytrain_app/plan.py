@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_app import registry, storage
-from raytrain_app.config import JobConfig, updated
+from raytrain_app.config import HIGHER_IS_BETTER, JobConfig, updated
 from raytrain_app.errors import ConfigError, UserError
 
 # Ray Train V2 writes this into the run directory after every checkpoint; its presence means
@@ -79,27 +79,48 @@ def resolve_auto(config: JobConfig) -> JobConfig:
         train["channels_last"] = "on" if gpu else "off"
     if config.scaling.backend == "auto":
         scaling["backend"] = "nccl" if gpu and not shared else "gloo"
-    return updated(config, {"train": train, "scaling": scaling})
+    ckpt = {}
+    if config.checkpoint.metric == "auto":
+        names = config.task.metric_names
+        ckpt["metric"] = f"eval_{names[0]}" if names else "eval_loss"
+    if config.checkpoint.mode == "auto":
+        metric = ckpt.get("metric", config.checkpoint.metric)
+        ckpt["mode"] = "max" if metric.removeprefix("eval_") in HIGHER_IS_BETTER else "min"
+    return updated(config, {"train": train, "scaling": scaling, "checkpoint": ckpt})
 
 
 def check_data_and_model(config: JobConfig) -> None:
-    """Build the datasets and model once on the driver and check that they fit together: the
-    builders resolve, their args bind, the model takes the data's inputs, the labels fit its
-    outputs, every worker's shard holds a batch."""
+    """Build the datasets, task and model once on the driver and check that they fit together:
+    the builders resolve, their args bind, the model takes the data's inputs, the labels fit the
+    task and the model's outputs (a custom step runs once instead), every worker's shard holds a
+    batch, and checkpoint.metric is a metric the run reports."""
     import torch
 
-    from raytrain_app.data import build_datasets, check_labels, keep_on_device
+    from raytrain_app.data import build_datasets, keep_on_device
     from raytrain_app.models import build_model
+    from raytrain_app.tasks import CustomStep, build_task, custom_metric_names, model_outputs
 
     if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.workers > 1:
         raise UserError("train.sync_batchnorm needs GPU workers: PyTorch's SyncBatchNorm does not run on CPU")
+    task = build_task(config.task)
     data = build_datasets(config.data)
     keep_on_device(data, config.data.on_device, torch.device("cpu"))  # `on` needs an in-memory dataset
-    shard = len(data.train) // config.scaling.workers
+    workers = config.scaling.workers
+    shard = len(data.train) // workers
     if config.train.batch_size > shard:
         raise UserError(f"train.batch_size {config.train.batch_size} is larger than a worker's shard "
-                        f"({len(data.train)} training samples over {config.scaling.workers} workers = {shard})")
-    model = build_model(config.model, data.input_shape, data.num_classes)
+                        f"({len(data.train)} training samples over {workers} workers = {shard})")
+    if len(data.eval) < workers:  # a rank without eval samples would have no sums to all-reduce
+        raise UserError(f"the eval set ({len(data.eval)} samples) is smaller than the number of workers ({workers})")
+    model = build_model(config.model, data.input_shape, model_outputs(task, data.train, data.num_classes))
+    if isinstance(task, CustomStep):
+        names = custom_metric_names(task, model, data.train)
+        metric = config.checkpoint.metric
+        if metric not in ("auto", "train_loss", "eval_loss", *(f"eval_{n}" for n in names)):
+            raise UserError(f"checkpoint.metric: {metric} is not a metric of this run (the step reports "
+                            f"{', '.join(f'eval_{n}' for n in names) or 'no metrics of its own'}; or train_loss, "
+                            f"eval_loss)")
+        return
     x, _ = data.eval[0]
     model.eval()
     try:
@@ -108,7 +129,7 @@ def check_data_and_model(config: JobConfig) -> None:
     except Exception as e:
         raise UserError(f"model '{registry.label(config.model.name)}' cannot take the data's inputs shaped "
                         f"{tuple(x.shape)}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    check_labels(data, out.shape[-1])
+    task.check_labels(data.train, data.eval, out.shape[-1])
 
 
 def _latest_or_new_run_dir(name: str, resume: bool) -> str:

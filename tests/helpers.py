@@ -110,3 +110,32 @@ def augmented_digits(eval_fraction: float, split_seed: int):
     train, eval_ = digits(eval_fraction, split_seed, resize=16)
     train.augment = True
     return train, eval_
+
+
+class DictDataset(Dataset):
+    """Nested samples, as a custom step may take them: {"x": 4 features, "target": {"y": a value}}."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "target": {"y": self.y[i]}}
+
+
+def dict_data(train_size: int = 40, eval_size: int = 9):
+    return DictDataset(train_size, seed=1), DictDataset(eval_size, seed=2)
+
+
+def dict_step(model, batch):
+    """A custom step: squared error to train on, and its own metric, the mean absolute error."""
+    error = model(batch["x"]).squeeze(1) - batch["target"]["y"]
+    return error.pow(2).mean(), {"abs_error": (error.abs().sum(), len(error))}
+
+
+def one_argument_step(model):
+    return model

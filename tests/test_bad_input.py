@@ -97,7 +97,7 @@ def cases(d):
         (parquet("nothere.parquet"), "dataset file not found"),
         (parquet("empty.parquet"), "dataset is empty"),
         (parquet("notparquet.parquet"), "not a readable Parquet file"),
-        (parquet("strlabels.parquet"), "must hold integers"),
+        (parquet("strlabels.parquet"), "must hold numbers or lists of numbers"),
         (parquet("wide_labels.parquet", "--set", "model.args={num_classes: 10}", "--set", "train.batch_size=4"),
          "but the model has 10 outputs"),
         ([DIGITS, "--set", "model.args.num_classes=5"], "labels range over [0, 9]"),
@@ -108,6 +108,15 @@ def cases(d):
          "cannot take the data's inputs"),
         ([DIGITS, "--set", "data.name=tests.helpers:index_data", "--set", "data.args={}", "--set", "data.on_device=on",
           "--set", "model.name=mlp", "--set", "train.batch_size=2"], "on_device: on needs an in-memory dataset"),
+        # tasks, losses, metrics and custom steps
+        # (the task section's own rules are in test_config: no process needed)
+        ([DIGITS, "--set", "task.name=tests.helpers:one_argument_step"], "must take (model, batch)"),
+        ([DIGITS, "--set", "task.name=tests.helpers:no_such_step"], "has no callable 'no_such_step'"),
+        ([DIGITS, "--set", "task.name=tests.helpers:dict_step"], "failed on a batch of 2 training samples"),
+        ([DIGITS, "--set", "task.name=examples.custom_step.focal:step", "--set", "checkpoint.metric=eval_f1"],
+         "checkpoint.metric: eval_f1 is not a metric of this run (the step reports eval_accuracy, eval_confident"),
+        (["examples/regression.yaml", "--set", "task={name: classification}"], "labels are floats"),
+        ([DIGITS, "--set", "task.name=multilabel"], "labels have shape () per sample: task multilabel needs a 0/1 vector"),
         # clusters
         ([DIGITS, "--address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
         ([DIGITS, "--address", "no-such-host.invalid:6379"], "cannot reach the Ray cluster"),

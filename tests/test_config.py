@@ -79,6 +79,16 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     ("scaling: {backend: nccl, workers: 2, gpus_per_worker: 0.5}\n", [],
      "scaling.backend: nccl cannot run two ranks on one GPU, and gpus_per_worker 0.5 makes workers share GPUs"),
     ("data: {eval_fraction: 1.5}\n", [], "data.eval_fraction: must be < 1, got 1.5$"),
+    ("task: {name: ranking}\n", [], "task.name: unknown task 'ranking' \\(built-ins: classification, regression, "
+                                    "multilabel; or a custom step 'pkg.module:step'\\)$"),
+    ("task: {loss: mse}\n", [], "task.loss: mse does not fit task classification \\(choose from cross_entropy\\)$"),
+    ("task: {name: regression, metrics: [accuracy]}\n", [], "task.metrics: accuracy is not a regression metric"),
+    ("task: {name: regression, loss: l1, label_smoothing: 0.1}\n", [], "task.label_smoothing: is used only with "
+                                                                       "cross_entropy$"),
+    ("task: {name: 'a.b:step', metrics: [x]}\n", [], "task.metrics: a custom step computes its own loss and metrics"),
+    ("task: {eval_step: 'a.b:ev'}\n", [], "task.eval_step: is used only with a custom step$"),
+    ("checkpoint: {metric: eval_r2}\n", [], "checkpoint.metric: eval_r2 is not a metric of this run \\(choose from "
+                                             "train_loss, eval_loss, eval_accuracy\\)$"),
     ("name: a/b\n", [], "name: must be a non-empty name without '/'"),
     ("train: {epochs: 3\n", [], ":2: malformed YAML: "),
     ("- a\n- b\n", [], "the top level must be a mapping of keys, got a list"),
@@ -185,6 +195,15 @@ def test_the_schema_checks_job_files_as_an_editor_would():
     for bad in ({"train": {"epochs": 0}}, {"train": {"epoch": 3}}, {"optimizer": {"name": "lion"}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+@pytest.mark.parametrize("task, metric, mode", [
+    ({}, "eval_accuracy", "max"), ({"name": "regression"}, "eval_mse", "min"),
+    ({"name": "regression", "metrics": ["r2"]}, "eval_r2", "max"), ({"name": "multilabel"}, "eval_accuracy", "max"),
+    ({"name": "pkg.mod:step"}, "eval_loss", "min")])
+def test_auto_checkpoint_metric_is_the_tasks_first_and_its_mode_follows(task, metric, mode):
+    checkpoint = resolve_auto(JobConfig.from_dict({"task": task})).checkpoint
+    assert (checkpoint.metric, checkpoint.mode) == (metric, mode)
 
 
 @pytest.mark.parametrize("workers, gpus, backend", [(2, 0.5, "gloo"), (1, 0.5, "nccl"), (2, 1, "nccl"), (2, 0, "gloo")])

@@ -9,9 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raytrain_app.config import DataConfig
-from raytrain_app.data import EvalShard, build_datasets, check_labels
+from raytrain_app.config import DataConfig, TaskConfig
+from raytrain_app.data import EvalShard, build_datasets
 from raytrain_app.errors import ConfigError, UserError
+from raytrain_app.tasks import build_task
 
 
 def test_digits_are_the_real_sklearn_digits():
@@ -98,14 +99,14 @@ def test_empty_and_unlabelled_parquet(tmp_path):
         build_datasets(DataConfig(name="parquet", args={"path": str(empty)}))
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"image": [[1.0], [2.0]], "label": ["a", "b"]}), bad)
-    with pytest.raises(UserError, match="label column 'label' must hold integers"):
+    with pytest.raises(UserError, match="label column 'label' must hold numbers or lists of numbers"):
         build_datasets(DataConfig(name="parquet", args={"path": str(bad)}))
 
 
 def test_labels_out_of_range_for_the_model():
     data = build_datasets(DataConfig(name="digits"))
     with pytest.raises(UserError, match=r"labels range over \[0, 9\] but the model has 5 outputs"):
-        check_labels(data, 5)
+        build_task(TaskConfig()).check_labels(data.train, data.eval, 5)
 
 
 @pytest.mark.parametrize("size, world", [(25, 2), (7, 3), (2, 4), (100, 1)])

@@ -50,12 +50,12 @@ def test_every_precision_learns(precision, dtype, monkeypatch):
         monkeypatch.setattr(prec.scaler, "step", lambda opt: stepped.append(1) or scaler_step(opt))
     eval_loader, _ = train_loader(data, 64, 0, 1, 0, 0, False)
     step = Step(state.model, prec)
-    before = evaluate(state.model, eval_loader, step).loss
+    before = evaluate(state.model, eval_loader, step)["loss"]
     for _ in range(3):
         totals = train_epoch(step, loader, state)
         state.finish_epoch()
     assert totals.samples == len(data.train) and state.epoch == 3
-    assert evaluate(state.model, eval_loader, step).loss < before * 0.5
+    assert evaluate(state.model, eval_loader, step)["loss"] < before * 0.5
     assert set(computed) == {dtype}
     assert (state.scaler is not None) == (precision == "fp16")
     if precision == "fp16":  # every loss scaled up before backward, every step through the scaler

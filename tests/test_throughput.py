@@ -174,8 +174,8 @@ def test_compiled_model_trains_like_the_eager_one():
     compiled = _trained(_mlp(data), batches, "default")
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # dynamo really compiled frames of the step
     precision = Precision("fp32", CPU)
-    assert evaluate(compiled, batches, Step(compiled, precision)).loss == pytest.approx(
-        evaluate(eager, batches, Step(eager, precision)).loss, rel=1e-4)
+    assert evaluate(compiled, batches, Step(compiled, precision))["loss"] == pytest.approx(
+        evaluate(eager, batches, Step(eager, precision))["loss"], rel=1e-4)
     np.testing.assert_allclose(_flat(compiled), _flat(eager), rtol=1e-4, atol=1e-5)
 
 

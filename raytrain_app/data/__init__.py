@@ -56,8 +56,11 @@ def build_datasets(config: DataConfig) -> Datasets:
     for split_name, ds in (("training", train), ("eval", eval_)):
         if len(ds) == 0:
             raise UserError(f"data: '{registry.label(config.name)}' gave an empty {split_name} set")
-    x, _ = train[0]
-    return Datasets(train, eval_, tuple(x.shape), _num_classes(train, eval_))
+    sample = train[0]
+    # (input, label) pairs give the model its input shape; a custom step's samples may be anything.
+    first = sample[0] if isinstance(sample, (tuple, list)) and sample else None
+    shape = tuple(first.shape) if isinstance(first, torch.Tensor) else ()
+    return Datasets(train, eval_, shape, _num_classes(train, eval_))
 
 
 def _num_classes(*datasets: Dataset) -> int:
@@ -65,7 +68,7 @@ def _num_classes(*datasets: Dataset) -> int:
     declared = getattr(datasets[0], "num_classes", None)
     if declared is not None:
         return int(declared)
-    if all(isinstance(d, ArrayDataset) for d in datasets):
+    if all(isinstance(d, ArrayDataset) and not d.y.is_floating_point() for d in datasets):
         return int(max(int(d.y.max()) for d in datasets)) + 1
     return 0  # unknown: the model's own default decides
 
@@ -166,12 +169,3 @@ def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed
 def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool,
                 resident: bool = False):
     return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin, 0, resident)
-
-
-def check_labels(ds: Datasets, num_outputs: int) -> None:
-    """Labels must index the model's outputs; cross_entropy would fail later with a cryptic device assert."""
-    for name, d in (("training", ds.train), ("eval", ds.eval)):
-        if isinstance(d, ArrayDataset):
-            lo, hi = int(d.y.min()), int(d.y.max())
-            if lo < 0 or hi >= num_outputs:
-                raise UserError(f"{name} labels range over [{lo}, {hi}] but the model has {num_outputs} outputs")

@@ -105,7 +105,9 @@ def make_pair(
     sample = x_train[: 50_000].float()
     mean = sample.mean(dim=dims, keepdim=True)[0]
     std = sample.std(dim=dims, keepdim=True)[0].clamp_min(1e-6)
-    return (ArrayDataset(x_train, y_train.long(), mean, std, augment), ArrayDataset(x_eval, y_eval.long(), mean, std))
+    # Integer labels are class ids (int64, as cross_entropy wants); real-valued ones stay float32.
+    y_train, y_eval = ((y.float() if y.is_floating_point() else y.long()) for y in (y_train, y_eval))
+    return ArrayDataset(x_train, y_train, mean, std, augment), ArrayDataset(x_eval, y_eval, mean, std)
 
 
 def split(x: torch.Tensor, y: torch.Tensor, eval_fraction: float, seed: int):

@@ -1,6 +1,7 @@
 """Parquet datasets read with pyarrow: the bundled digits and any user file.
 
-A file holds one label column and either one image/feature column (a list or fixed-size list
+A file holds one label column (integer class ids, real-valued targets, or a list per row: a
+target vector or multi-label 0/1s) and either one image/feature column (a list or fixed-size list
 of numbers per row, reshaped to `shape`) or several scalar feature columns. The shape can be
 given in the config or stored in the file's schema metadata under `raytrain.shape`, as the
 bundled digits file does.
@@ -66,10 +67,7 @@ def read_table(path: str, features: Union[str, list], label: str, shape: Optiona
     if table.num_rows == 0:
         raise UserError(f"dataset is empty: {path} has no rows")
 
-    labels = table.column(label).combine_chunks()
-    if not pa.types.is_integer(labels.type) or labels.null_count:
-        raise UserError(f"{path}: label column '{label}' must hold integers without nulls, got {labels.type}")
-    y = torch.from_numpy(labels.to_numpy().astype(np.int64))
+    y = _labels(table.column(label).combine_chunks(), path, label)
 
     if isinstance(features, str):
         x = _column_matrix(table.column(features).combine_chunks(), path, features)
@@ -80,6 +78,19 @@ def read_table(path: str, features: Union[str, list], label: str, shape: Optiona
     if int(np.prod(shape)) != x.shape[1]:
         raise UserError(f"{path}: shape {list(shape)} does not match {x.shape[1]} values per row")
     return torch.from_numpy(np.array(x)).reshape(len(y), *shape), y
+
+
+def _labels(col: pa.Array, path: str, name: str) -> torch.Tensor:
+    """Integers are class ids (int64); real numbers are regression targets (float32); a list
+    per row is a target vector, or a multi-label 0/1 vector (float32)."""
+    if pa.types.is_integer(col.type) and not col.null_count:
+        return torch.from_numpy(col.to_numpy().astype(np.int64))
+    if pa.types.is_floating(col.type) and not col.null_count:
+        return torch.from_numpy(col.to_numpy().astype(np.float32))
+    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type):
+        return torch.from_numpy(_column_matrix(col, path, name).astype(np.float32))
+    raise UserError(f"{path}: label column '{name}' must hold numbers or lists of numbers without nulls, "
+                    f"got {col.type}")
 
 
 def _column_matrix(col: pa.Array, path: str, name: str) -> np.ndarray:

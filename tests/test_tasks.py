@@ -1,0 +1,149 @@
+"""Tasks, losses and metrics: exact over ranks, and the examples that show the range.
+
+The metric test runs real Gloo process groups (no Ray): each rank evaluates its own shard of an
+eval set of odd size through the loop's `evaluate`, and the all-reduced result must equal
+scikit-learn's computation over the whole set in one process.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from sklearn import metrics as sk
+from torch import nn
+
+from raytrain_app.config import JobConfig, ScheduleConfig, TaskConfig
+from raytrain_app.data import Datasets, eval_loader
+from raytrain_app.data.arrays import ArrayDataset
+from raytrain_app.loop import Precision, Step, evaluate, train_epoch
+from raytrain_app.optim import build_schedule
+from raytrain_app.plan import make_plan
+from raytrain_app.state import TrainState
+from raytrain_app.tasks import build_task
+from raytrain_app.trainer import run_training
+from tests.gloo import spawn
+from tests.helpers import dict_data
+
+EVAL_SIZE = 25  # odd: the two ranks hold 13 and 12 samples
+TASKS = {
+    "classification": {"name": "classification", "metrics": ["accuracy", "top5", "f1_macro"]},
+    "regression": {"name": "regression", "metrics": ["mse", "mae", "r2"]},
+    "multilabel": {"name": "multilabel", "metrics": ["accuracy", "f1_macro"]},
+    "custom": {"name": "tests.helpers:dict_step"},
+}
+OUTPUTS = {"classification": 7, "regression": 2, "multilabel": 4, "custom": 1}
+
+
+def eval_set(task: str):
+    """Inputs, labels that fit the task, and a fixed model whose outputs are scored."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(EVAL_SIZE, 6, generator=g)
+    y = {"classification": torch.randint(0, 7, (EVAL_SIZE,), generator=g),
+         "regression": torch.randn(EVAL_SIZE, 2, generator=g) * 3 + 1,
+         "multilabel": torch.randint(0, 2, (EVAL_SIZE, 4), generator=g).float()}.get(task)
+    torch.manual_seed(0)
+    model = nn.Linear(4 if task == "custom" else 6, OUTPUTS[task])
+    return x, y, model
+
+
+def _evaluate_shards(rank: int, out_file: str) -> None:
+    """One rank: every task's metrics over this rank's shard, all-reduced by `evaluate`."""
+    results = {}
+    for task, config in TASKS.items():
+        x, y, model = eval_set(task)
+        step = Step(model, Precision("fp32", torch.device("cpu")), task=build_task(TaskConfig(**config)))
+        ds = dict_data(eval_size=EVAL_SIZE)[1] if task == "custom" else ArrayDataset(x, y, torch.tensor(0.),
+                                                                                    torch.tensor(1.))
+        loader = eval_loader(Datasets(ds, ds, (), 0), 5, rank, 2, 0, False)  # this rank's shard, batches of 5
+        results[task] = evaluate(model, loader, step)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory) -> dict:
+    """Every task's metrics from two Gloo ranks (one process group for all: spawning costs ~20 s)."""
+    out = tmp_path_factory.mktemp("metrics") / "out.json"
+    spawn(_evaluate_shards, str(out))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_every_metric_is_exact_over_ranks_on_an_odd_eval_set(task, reduced):
+    got = reduced[task]
+    x, y, model = eval_set(task)
+    assert got["samples"] == EVAL_SIZE
+    with torch.no_grad():
+        if task == "custom":
+            _, data = dict_data(eval_size=EVAL_SIZE)
+            error = (model(data.x).squeeze(1) - data.y).numpy()
+            assert got["loss"] == pytest.approx(float(np.mean(error ** 2)), rel=1e-5)
+            assert got["abs_error"] == pytest.approx(float(np.mean(np.abs(error))), rel=1e-5)
+            return
+        out = model(x)
+    if task == "classification":
+        pred = out.argmax(1).numpy()
+        assert got["loss"] == pytest.approx(nn.functional.cross_entropy(out, y).item(), rel=1e-5)
+        assert got["accuracy"] == pytest.approx(sk.accuracy_score(y, pred))
+        assert got["top5"] == pytest.approx(sk.top_k_accuracy_score(y, out.numpy(), k=5, labels=range(7)))
+        assert got["f1_macro"] == pytest.approx(sk.f1_score(y, pred, average="macro"))
+    elif task == "regression":
+        assert got["mse"] == pytest.approx(sk.mean_squared_error(y, out), rel=1e-5)
+        assert got["mae"] == pytest.approx(sk.mean_absolute_error(y, out), rel=1e-5)
+        assert got["r2"] == pytest.approx(sk.r2_score(y, out), rel=1e-5)
+        assert got["loss"] == pytest.approx(got["mse"], rel=1e-5)  # loss: mse (auto)
+    else:
+        pred = (out > 0).int().numpy()
+        assert got["accuracy"] == pytest.approx(float((pred == y.numpy()).mean()))
+        assert got["f1_macro"] == pytest.approx(sk.f1_score(y.int().numpy(), pred, average="macro", zero_division=0))
+        assert got["loss"] == pytest.approx(nn.functional.binary_cross_entropy_with_logits(out, y).item(), rel=1e-5)
+
+
+def run(config: dict, run_dir, overrides=()):
+    from raytrain_app.config import load_config
+
+    job = load_config(config, overrides) if isinstance(config, str) else JobConfig.from_dict(config)
+    return run_training(make_plan(job, run_dir=str(run_dir)), echo=lambda line: None)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_regression_example_reaches_its_bar(tmp_path):
+    result = run("examples/regression.yaml", tmp_path / "run")
+    last = result.metrics[-1]
+    assert last["eval_r2"] >= 0.4, last  # the bar in the example's comment
+    assert {"eval_mse", "eval_mae", "eval_r2", "eval_loss"} <= set(last)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval_r2"] for r in rows] == [r["eval_r2"] for r in result.metrics]  # every metric, every epoch
+    assert result.best_metrics["eval_r2"] == max(r["eval_r2"] for r in rows if r["epoch"] % 4 == 0)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_custom_step_example_trains_and_checkpoints_by_its_own_metric(tmp_path):
+    result = run("examples/custom_step/job.yaml", tmp_path / "run")
+    assert result.metrics[-1]["eval_accuracy"] >= 0.9  # the bar in the example's comment
+    assert result.best_metrics["eval_accuracy"] == max(r["eval_accuracy"] for r in result.metrics)
+    assert 0 < result.metrics[-1]["eval_confident"] <= 1
+
+
+def test_a_custom_step_on_nested_batches_with_accumulation():
+    """Dict batches move to the device as a whole, the step runs under accumulation, and its own
+    metric comes back from evaluation (the Ray path is the example's test above)."""
+    train, eval_ = dict_data(train_size=64, eval_size=9)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 8, 3), None)
+    step = Step(model, Precision("fp32", torch.device("cpu")), accum_steps=2,
+                task=build_task(TaskConfig(name="tests.helpers:dict_step")))
+    loader = torch.utils.data.DataLoader(train, batch_size=4)  # default collate: {"x": .., "target": {"y": ..}}
+    before = evaluate(model, torch.utils.data.DataLoader(eval_, batch_size=4), step)
+    for _ in range(3):
+        train_epoch(step, loader, state)
+        state.finish_epoch()
+    after = evaluate(model, torch.utils.data.DataLoader(eval_, batch_size=4), step)
+    assert state.step == 3 * 64 // (4 * 2)  # one optimizer step per 2 micro-batches of 4
+    assert after["abs_error"] < before["abs_error"] / 2 and after["samples"] == 9
+    error = (model(eval_.x).squeeze(1) - eval_.y).detach()
+    assert after["abs_error"] == pytest.approx(error.abs().mean().item(), rel=1e-5)
