@@ -109,14 +109,8 @@ def cases(d):
         ([DIGITS, "--set", "data.name=tests.helpers:index_data", "--set", "data.args={}", "--set", "data.on_device=on",
           "--set", "model.name=mlp", "--set", "train.batch_size=2"], "on_device: on needs an in-memory dataset"),
         # tasks, losses, metrics and custom steps
-        # (the task section's own rules are in test_config: no process needed)
-        ([DIGITS, "--set", "task.name=tests.helpers:one_argument_step"], "must take (model, batch)"),
-        ([DIGITS, "--set", "task.name=tests.helpers:no_such_step"], "has no callable 'no_such_step'"),
+        # tasks: their own rules are in test_config, the driver's checks in test_tasks (in-process)
         ([DIGITS, "--set", "task.name=tests.helpers:dict_step"], "failed on a batch of 2 training samples"),
-        ([DIGITS, "--set", "task.name=examples.custom_step.focal:step", "--set", "checkpoint.metric=eval_f1"],
-         "checkpoint.metric: eval_f1 is not a metric of this run (the step reports eval_accuracy, eval_confident"),
-        (["examples/regression.yaml", "--set", "task={name: classification}"], "labels are floats"),
-        ([DIGITS, "--set", "task.name=multilabel"], "labels have shape () per sample: task multilabel needs a 0/1 vector"),
         # clusters
         ([DIGITS, "--address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
         ([DIGITS, "--address", "no-such-host.invalid:6379"], "cannot reach the Ray cluster"),

@@ -6,6 +6,7 @@ scikit-learn's computation over the whole set in one process.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -13,12 +14,13 @@ import torch
 from sklearn import metrics as sk
 from torch import nn
 
-from raytrain_app.config import JobConfig, ScheduleConfig, TaskConfig
+from raytrain_app.config import JobConfig, ScheduleConfig, TaskConfig, load_config
 from raytrain_app.data import Datasets, eval_loader
 from raytrain_app.data.arrays import ArrayDataset
 from raytrain_app.loop import Precision, Step, evaluate, train_epoch
 from raytrain_app.optim import build_schedule
-from raytrain_app.plan import make_plan
+from raytrain_app.errors import ConfigError, UserError
+from raytrain_app.plan import check_data_and_model, make_plan
 from raytrain_app.state import TrainState
 from raytrain_app.tasks import build_task
 from raytrain_app.trainer import run_training
@@ -102,8 +104,6 @@ def test_every_metric_is_exact_over_ranks_on_an_odd_eval_set(task, reduced):
 
 
 def run(config: dict, run_dir, overrides=()):
-    from raytrain_app.config import load_config
-
     job = load_config(config, overrides) if isinstance(config, str) else JobConfig.from_dict(config)
     return run_training(make_plan(job, run_dir=str(run_dir)), echo=lambda line: None)
 
@@ -147,3 +147,21 @@ def test_a_custom_step_on_nested_batches_with_accumulation():
     assert after["abs_error"] < before["abs_error"] / 2 and after["samples"] == 9
     error = (model(eval_.x).squeeze(1) - eval_.y).detach()
     assert after["abs_error"] == pytest.approx(error.abs().mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("path, overrides, message", [
+    ("examples/digits.yaml", ["task.name=tests.helpers:one_argument_step"], "must take \\(model, batch\\)"),
+    ("examples/digits.yaml", ["task.name=tests.helpers:no_such_step"], "has no callable 'no_such_step'"),
+    ("examples/custom_step/job.yaml", ["checkpoint.metric=eval_f1"],
+     r"checkpoint.metric: eval_f1 is not a metric of this run \(the step reports eval_accuracy, eval_confident"),
+    ("examples/regression.yaml", ["task={name: classification}"], "training labels are floats .*use task.name: "
+                                                                  "regression"),
+    ("examples/digits.yaml", ["task.name=multilabel"], r"labels have shape \(\) per sample: task multilabel needs"),
+    ("examples/regression.yaml", ["model.args={hidden: [8], num_classes: 3}"],
+     "training targets have 1 values per sample but the model has 3 outputs"),
+])
+def test_tasks_that_do_not_fit_the_data_fail_before_ray_in_one_line(path, overrides, message):
+    """The driver's checks (`train` runs them before a cluster starts; test_bad_input has the CLI side)."""
+    with pytest.raises((UserError, ConfigError)) as info:
+        check_data_and_model(load_config(path, overrides))
+    assert len(info.value.lines) == 1 and re.search(message, info.value.lines[0]), info.value.lines
