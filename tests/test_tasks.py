@@ -25,7 +25,7 @@ from raytrain_app.state import TrainState
 from raytrain_app.tasks import build_task
 from raytrain_app.trainer import run_training
 from tests.gloo import spawn
-from tests.helpers import dict_data
+from tests.helpers import dict_data, dict_step
 
 EVAL_SIZE = 25  # odd: the two ranks hold 13 and 12 samples
 TASKS = {
@@ -135,8 +135,9 @@ def test_a_custom_step_on_nested_batches_with_accumulation():
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 8, 3), None)
-    step = Step(model, Precision("fp32", torch.device("cpu")), accum_steps=2,
-                task=build_task(TaskConfig(name="tests.helpers:dict_step")))
+    config = JobConfig.from_dict({"task": {"name": dict_step}})  # from Python, the function itself
+    assert config.to_dict()["task"]["name"] == "tests.helpers:dict_step"  # files name it by import path
+    step = Step(model, Precision("fp32", torch.device("cpu")), accum_steps=2, task=build_task(config.task))
     loader = torch.utils.data.DataLoader(train, batch_size=4)  # default collate: {"x": .., "target": {"y": ..}}
     before = evaluate(model, torch.utils.data.DataLoader(eval_, batch_size=4), step)
     for _ in range(3):
