@@ -13,6 +13,7 @@ loss, or `(loss, {name: (sum, count)})`: its metrics are sums too, reported as s
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from typing import Callable, Optional
 
 import torch
@@ -28,20 +29,21 @@ from raytrain_app.errors import UserError
 Sums = dict[str, torch.Tensor]
 
 
-class Task:
+class Task(ABC):
     """The interface the loop calls; `move` puts a batch (tensors, or tuples, lists and dicts of
     them, nested) on the device in one go."""
 
+    @abstractmethod
     def train_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
         """The mean loss to step on, and how many samples it covers."""
-        raise NotImplementedError
 
+    @abstractmethod
     def eval_sums(self, model: nn.Module, batch) -> Sums:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def metrics(self, sums: Sums) -> dict[str, float]:
         """From all-reduced sums: {"loss", "samples", and each metric}."""
-        raise NotImplementedError
 
     def move(self, batch, device: torch.device, memory_format: torch.memory_format):
         return to_device(batch, device)
@@ -77,19 +79,21 @@ class Supervised(Task):
         x, y = batch
         return self.sums(model(x).float(), y)
 
+    @abstractmethod
     def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def sums(self, out: torch.Tensor, y: torch.Tensor) -> Sums:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def outputs(self, sample_label: torch.Tensor, num_classes: int) -> int:
         """How many outputs the model needs, from one label and the data's class count."""
-        raise NotImplementedError
 
+    @abstractmethod
     def check_label(self, y: torch.Tensor, outputs: int, where: str) -> None:
         """Raise a one-line UserError when labels do not fit this task (checked on the driver)."""
-        raise NotImplementedError
 
     def check_labels(self, train, eval_, outputs: int) -> None:
         """Every label of in-memory datasets, else each split's first: cross_entropy would fail
