@@ -315,12 +315,14 @@ def build_task(config: TaskConfig) -> Task:
 
 def check_step_signature(fn: Callable, key: str) -> None:
     try:
-        inspect.signature(fn).bind(None, None)
+        signature = inspect.signature(fn)
+    except ValueError:  # no signature to read (a builtin): the driver's trial call decides
+        return
+    try:
+        signature.bind(None, None)
     except TypeError:
         raise UserError(f"{key}: '{registry.label(fn)}' must take (model, batch), its signature is "
-                        f"{inspect.signature(fn)}") from None
-    except ValueError:  # no signature to read (a builtin): let the call decide
-        pass
+                        f"{signature}") from None
 
 
 def custom_metric_names(task: CustomStep, model: nn.Module, train) -> list[str]:
