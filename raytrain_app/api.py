@@ -19,9 +19,13 @@ from raytrain_app.errors import UserError
 def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequence[str]] = None,
         workers: Optional[int] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
         address: Optional[str] = None, resume: bool = False, verbose: bool = False, progress: bool = False,
-        echo: Callable[[str], None] = print, started: Optional[float] = None):
+        echo: Callable[[str], None] = print, started: Optional[float] = None, script_args: Sequence[str] = ()):
     """Train `config` (a YAML path, "-" for standard input, a dict, or a JobConfig) and return the
     run's `Result` (run_dir, metrics per epoch, best and final checkpoint, wall time).
+
+    A path ending in `.py` is a torchrun-style script instead, run unchanged on every worker with
+    `script_args` as its arguments (see `script.py`); `overrides` then set its name, scaling,
+    failure and checkpoint.keep.
 
     In a dict or JobConfig, `model.name` and `data.name` may be the builder functions themselves
     (a notebook's, say). `overrides` are `--set` expressions; `workers`/`gpus_per_worker` set the
@@ -33,20 +37,20 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     marks = {"start": started or time.time()}
     scaling = {k: v for k, v in (("workers", workers), ("gpus_per_worker", gpus_per_worker)) if v is not None}
     sets = [*(overrides or ()), *(f"scaling.{key}={value}" for key, value in scaling.items())]
-    if isinstance(config, (str, Path)):
-        source, job = str(config), load_config(config, sets)
-    else:
-        raw = config.to_python() if isinstance(config, JobConfig) else config
-        source, job = "<config>", with_overrides(raw, sets)
+    source, job = job_config(config, sets, script_args)
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
     from raytrain_app.plan import make_plan
     from raytrain_app.session import choose_cluster, ray_session
 
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source)
+    # torch loads before Ray connects (a job's checks have loaded it already; a script's have
+    # not): loaded after Ray inside a Ray job, libtorch fails with "oneMKL FATAL ERROR".
+    import torch  # noqa: F401
     marks["planned"] = time.time()
     s = plan.config.scaling
-    echo(f"run {plan.run_dir}: {s.workers} workers, {s.backend}, {plan.config.train.precision}")
+    what = plan.config.script.path if plan.config.script else f"{s.backend}, {plan.config.train.precision}"
+    echo(f"run {plan.run_dir}: {s.workers} workers, {what}")
     choice = choose_cluster(address, s.workers, s.cpus_per_worker, s.gpus_per_worker)
     if choice.note:
         echo(choice.note)
@@ -59,6 +63,21 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
             return run_training(plan, progress=progress, echo=echo, marks=marks)
     finally:
         plan.upload_logs()
+
+
+def job_config(config: Union[str, Path, dict, JobConfig], overrides: Sequence[str] = (),
+               script_args: Sequence[str] = ()) -> tuple[str, JobConfig]:
+    """Where the config came from (for error messages), and the config: read from YAML, taken
+    from plain data, or made for a `.py` script and its arguments."""
+    if isinstance(config, (str, Path)) and str(config).endswith(".py"):
+        script = {"path": str(config), "args": list(script_args)}
+        return str(config), with_overrides({"name": Path(config).stem, "script": script}, overrides, str(config))
+    if script_args:
+        raise UserError(f"arguments after the config ({' '.join(script_args)}) are for a script: SCRIPT.py -- ARGS")
+    if isinstance(config, (str, Path)):
+        return str(config), load_config(config, overrides)
+    raw = config.to_python() if isinstance(config, JobConfig) else config
+    return "<config>", with_overrides(raw, overrides)
 
 
 def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None):

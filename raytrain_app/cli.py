@@ -24,8 +24,14 @@ def main() -> None:
     """Data-parallel PyTorch training on Ray clusters."""
 
 
+MAX_FAILURES = click.option("--max-failures", type=int, help="Restart the worker group this often before the "
+                                                               "run fails (overrides failure.max_failures).")
+SCRIPT_ARGS = click.argument("script_args", metavar="[-- SCRIPT_ARGS]", nargs=-1, type=click.UNPROCESSED)
+
+
 @main.command()
 @click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False, allow_dash=True))
+@SCRIPT_ARGS
 @click.option("--workers", type=int, help="Training workers (overrides scaling.workers).")
 @click.option("--gpus-per-worker", type=float, help="GPUs per worker (overrides scaling.gpus_per_worker).")
 @click.option("--run-dir", help="Where config, metrics, checkpoints and logs go (path or URI). "
@@ -37,19 +43,29 @@ def main() -> None:
                                 "$RAY_ADDRESS, as set inside Ray jobs); 'local' always starts an embedded "
                                 "cluster. Default: a local cluster `cluster up` started, if one is up and "
                                 "large enough, else an embedded one.")
+@MAX_FAILURES
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs and worker output.")
-def train(config_file, workers, gpus_per_worker, run_dir, overrides, resume, address, verbose):
-    """Train CONFIG (a YAML file, or - for standard input) on Ray."""
+def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides, max_failures, resume, address,
+          verbose):
+    """Train CONFIG (a YAML file, or - for standard input) on Ray.
+
+    CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
+    arguments after --."""
     from raytrain_app.api import fit
 
     sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as on the workers
     with _command():
-        result = fit(config_file, overrides=overrides, workers=workers, gpus_per_worker=gpus_per_worker,
-                     run_dir=run_dir, address=address, resume=resume, verbose=verbose,
-                     progress=sys.stdout.isatty(), echo=click.echo, started=STARTED)
+        result = fit(config_file, overrides=[*overrides, *_failures(max_failures)], workers=workers,
+                     gpus_per_worker=gpus_per_worker, run_dir=run_dir, address=address, resume=resume,
+                     verbose=verbose, progress=sys.stdout.isatty(), echo=click.echo, started=STARTED,
+                     script_args=script_args)
         from raytrain_app.report import summary
 
         click.echo(summary(result))
+
+
+def _failures(max_failures):
+    return [] if max_failures is None else [f"failure.max_failures={max_failures}"]
 
 
 PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROFILE",
@@ -58,6 +74,7 @@ PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROF
 
 @main.command()
 @click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False))
+@SCRIPT_ARGS
 @PROFILE
 @click.option("--nodes", type=int, help="Nodes to use (default: the profile's).")
 @click.option("--gpus-per-node", type=int, help="GPUs per node; one worker per GPU (default: the profile's).")
@@ -65,15 +82,19 @@ PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROF
 @click.option("--workers-per-node", type=int, help="Workers per node on a CPU cluster (default 1).")
 @click.option("--name", help="Job name (default: the config's name).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field; repeatable.")
+@MAX_FAILURES
 @click.option("--follow/--no-wait", default=True, help="Stream the logs and exit with the job's result "
                                                          "(default), or print the id and return.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and submit nothing.")
 @click.option("--skip-checks", is_flag=True, help="Do not build the model and data here first (for data or "
                                                   "packages that exist only on the cluster).")
-def submit(config_file, profile_file, nodes, gpus_per_node, cpus_per_node, workers_per_node, name, overrides,
-           follow, dry_run, skip_checks):
-    """Submit CONFIG as a Ray job to the cluster described by PROFILE."""
-    from raytrain_app.config import load_config
+def submit(config_file, script_args, profile_file, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
+           overrides, max_failures, follow, dry_run, skip_checks):
+    """Submit CONFIG as a Ray job to the cluster described by PROFILE.
+
+    CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
+    arguments after --; it travels in the profile's working_dir, or its own folder."""
+    from raytrain_app.api import job_config
     from raytrain_app.console import summary_table
     from raytrain_app.dashboard import Dashboard
     from raytrain_app import jobs
@@ -81,8 +102,10 @@ def submit(config_file, profile_file, nodes, gpus_per_node, cpus_per_node, worke
     sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as for `train`
     with _command():
         profile = _profile(profile_file)
-        sub = jobs.plan_submission(profile, load_config(config_file, overrides), nodes, gpus_per_node,
-                                   cpus_per_node, workers_per_node, name, overrides, check_builders=not skip_checks)
+        overrides = [*overrides, *_failures(max_failures)]
+        _, config = job_config(config_file, overrides, script_args)
+        sub = jobs.plan_submission(profile, config, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
+                                   overrides, check_builders=not skip_checks)
         for warning in sub.warnings:
             click.echo(f"warning: {warning}", err=True)
         if dry_run:

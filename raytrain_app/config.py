@@ -45,13 +45,13 @@ class BuilderSection(Section):
 
 
 class ModelConfig(BuilderSection):
-    name: Builder = Field("lenet", description='lenet | mlp | resnet18 | "pkg.module:build"')
+    name: Builder = Field("lenet", description='lenet | mlp | resnet18 | gpt | "pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder, checked "
                                                                    "against its signature before anything starts")
 
 
 class DataConfig(BuilderSection):
-    name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | synthetic | '
+    name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | synthetic | text | '
                                                 '"pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder (see Datasets)")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share for datasets without a test split")
@@ -70,21 +70,23 @@ TASKS = {
     "classification": (("cross_entropy",), ("accuracy", "top5", "f1_macro"), ("accuracy",)),
     "regression": (("mse", "l1", "huber"), ("mse", "mae", "r2"), ("mse", "r2")),
     "multilabel": (("bce",), ("accuracy", "f1_macro"), ("accuracy", "f1_macro")),
+    "language_model": (("cross_entropy",), ("perplexity", "token_accuracy"), ("perplexity", "token_accuracy")),
 }
-HIGHER_IS_BETTER = {"accuracy", "top5", "f1_macro", "r2"}  # every other metric, and every loss, is lower-better
+HIGHER_IS_BETTER = {"accuracy", "top5", "f1_macro", "r2", "token_accuracy"}  # every other metric, and every loss, is lower-better
 
 
 class TaskConfig(BuilderSection):
     name: Builder = Field("classification", description='classification | regression | multilabel | '
-                                                        '"pkg.module:step", a custom step called as step(model, '
+                                                        'language_model | "pkg.module:step", a custom step called as step(model, '
                                                         'batch) -> loss or (loss, {name: (sum, count)})')
     loss: Literal["auto", "cross_entropy", "mse", "l1", "huber", "bce"] = Field(
         "auto", description="auto: cross_entropy, mse, bce by task; a custom step computes its own")
-    label_smoothing: Fraction = Field(0.0, description="cross_entropy")
+    label_smoothing: Fraction = Field(0.0, description="cross_entropy (classification)")
     metrics: Optional[list[str]] = Field(None, description="evaluation metrics, reported as eval_NAME; null: the "
                                                            "task's default. classification: accuracy, top5, "
                                                            "f1_macro; regression: mse, mae, r2; multilabel: "
-                                                           "accuracy, f1_macro; a custom step: the names it returns")
+                                                           "accuracy, f1_macro; language_model: perplexity, "
+                                                           "token_accuracy; a custom step: the names it returns")
     eval_step: Optional[Builder] = Field(None, description='"pkg.module:eval_step" for a custom step\'s evaluation '
                                                            '(default: the step itself, without gradients)')
 
@@ -218,6 +220,17 @@ class FailureConfig(Section):
     max_failures: int = Field(0, ge=-1, description="worker-group restarts before the run fails (-1: unlimited)")
 
 
+class ScriptConfig(Section):
+    path: str = Field(description="a torchrun-style Python script, run unchanged as __main__ on every worker "
+                                  "(relative to the launch directory, or to the job's working_dir)")
+    args: list[str] = Field(default_factory=list, description="the script's sys.argv[1:]")
+
+
+# What a script leaves to raytrain-app; the other sections configure the built-in loop, which a
+# script replaces.
+SCRIPT_SECTIONS = ("name", "script", "scaling", "failure", "checkpoint.keep")
+
+
 class JobConfig(Section):
     name: str = Field("job", description="run name; the default run directory is runs/NAME-TIMESTAMP")
     seed: int = Field(0, description="model init uses it on every rank; dropout and augmentation use seed + rank")
@@ -230,6 +243,8 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     failure: FailureConfig = Field(default_factory=FailureConfig)
+    script: Optional[ScriptConfig] = Field(None, description="run this script instead of the built-in loop "
+                                                             "(`raytrain-app train SCRIPT.py -- ARGS` sets it)")
 
     @field_validator("name")
     @classmethod
@@ -256,6 +271,11 @@ class JobConfig(Section):
             problems.append("train.ddp_static_graph: must be false with train.grad_accum_steps > 1 and more than "
                             "one worker (torch's DDP cannot accumulate gradients under a static graph: "
                             "pytorch/pytorch#143580)")
+        if self.script is not None:
+            problems += [f"{key}: is not used with a script, which trains itself (a script takes "
+                         f"{', '.join(SCRIPT_SECTIONS)})" for key in ("seed", "model", "data", "task", "optimizer",
+                                                                    "schedule", "train")
+                         if getattr(self, key) != JobConfig.model_fields[key].get_default(call_default_factory=True)]
         names = self.task.metric_names
         metric = self.checkpoint.metric
         if names is not None and metric not in ("auto", "train_loss", "eval_loss", *(f"eval_{m}" for m in names)):

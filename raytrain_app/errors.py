@@ -32,6 +32,18 @@ class TrainingFailed(Exception):
         super().__init__(one_line(message))
 
 
+class RankFailed(Exception):
+    """A worker's own account of its failure, with the node it ran on (a script's exception says
+    nothing of where it ran), for `describe_rank`."""
+
+    def __init__(self, node: str, what: str):
+        self.node, self.what = node, what
+        super().__init__(f"on node {node}: {one_line(what)}")
+
+    def __reduce__(self):  # across Ray
+        return type(self), (self.node, self.what)
+
+
 def one_line(message: str) -> str:
     """Messages quote user text (keys, names, paths), which may hold line breaks: keep them visible
     but on one line, so every error stays one line."""
@@ -75,6 +87,8 @@ def describe(e: BaseException) -> str:
 
 def describe_rank(rank: int, e: BaseException) -> str:
     """"rank R on node IP (pid N): what happened", with whatever of node and pid Ray's text names."""
+    if isinstance(e, RankFailed):
+        return f"rank {rank} on node {e.node}: {e.what}"
     text = str(e)
     ip, pid = _IP.search(text), _PID.search(text)
     where = (f" on node {ip.group(1)}" if ip else "") + (f" (pid {pid.group(1)})" if pid else "")

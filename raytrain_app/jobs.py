@@ -23,7 +23,7 @@ from raytrain_app.capacity import check_shape_fits
 from raytrain_app.config import JobConfig, dump_yaml, updated
 from raytrain_app.dashboard import Dashboard
 from raytrain_app.errors import UserError, last_line
-from raytrain_app.plan import check_data_and_model, resolve_auto
+from raytrain_app.plan import check_data_and_model, check_script, resolve_auto
 from raytrain_app.profiles import ClusterProfile, mask
 from raytrain_app.shipping import check_upload_size, unshipped_imports
 
@@ -98,7 +98,11 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     working_dir = profile.path(profile.runtime_env.working_dir) if profile.runtime_env.working_dir else None
     if working_dir and not os.path.isdir(working_dir):
         raise UserError(f"{profile.source}: runtime_env.working_dir {working_dir} is not a directory")
-    if check_builders:
+    if config.script:
+        check_script(config.script.path)
+        working_dir, path = script_in_working_dir(config.script.path, working_dir, profile.source)
+        config = updated(config, {"script": {"path": path}})
+    elif check_builders:
         with running_in(working_dir):  # where the job runs: imports and relative paths as there
             check_data_and_model(config)
     if working_dir:
@@ -115,6 +119,19 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
                   f"--run-dir {shlex.quote(run_dir)}")
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source))
+
+
+def script_in_working_dir(script: str, working_dir: Optional[str], profile_source: str) -> tuple[str, str]:
+    """The folder the job uploads and the script's path inside it: the profile's working_dir,
+    which must hold the script, or else the script's own folder."""
+    script = os.path.abspath(script)
+    if not working_dir:
+        return os.path.dirname(script), os.path.basename(script)
+    inside = os.path.relpath(script, working_dir)
+    if inside.startswith(os.pardir + os.sep):
+        raise UserError(f"script {script} is outside {profile_source}'s runtime_env.working_dir {working_dir}, "
+                        f"which is what the job uploads: move it there, or use a profile without a working_dir")
+    return working_dir, inside
 
 
 def _set_keys(overrides: Sequence[str]) -> set[str]:

@@ -51,6 +51,7 @@ class WorkerArgs:
     progress: bool  # rank 0 reports its position within epochs (the driver shows a bar)
     log_dir: str  # RUN_DIR/logs, a local path or URI: where rank-N.log goes
     cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
+    restarts: Any = None  # a script run's script.RestartCount actor
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:

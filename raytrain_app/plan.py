@@ -2,7 +2,7 @@
 
 The plan resolves "auto" choices (precision, backend), picks the run directory, and runs the
 cheap checks that would otherwise fail minutes later inside a worker: the data loads, the model
-accepts it, the labels fit the model, each worker's shard holds a batch.
+accepts it, the labels fit the model, each worker's shard holds a batch; or a script compiles.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
     if not resume and has_checkpoint:
         raise UserError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
     try:
-        check_data_and_model(config)
+        if config.script:
+            check_script(config.script.path)
+        else:
+            check_data_and_model(config)
     except ConfigError as e:
         raise ConfigError(*[f"{source}: {line}" for line in e.lines]) from None
     storage.check_writable(run_dir)
@@ -70,6 +73,8 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
 def resolve_auto(config: JobConfig) -> JobConfig:
     """Every `auto` decided: bf16, channels_last and NCCL with GPUs; fp32 and Gloo without, and
     Gloo where workers share GPUs (NCCL refuses two ranks on one device)."""
+    if config.script:  # Ray Train's own group only starts the workers; the script picks its backend
+        return updated(config, {"scaling": {"backend": "gloo"}})
     gpu = config.scaling.gpus_per_worker > 0
     shared = config.scaling.gpus_per_worker < 1 and config.scaling.workers > 1
     train, scaling = {}, {}
@@ -121,15 +126,20 @@ def check_data_and_model(config: JobConfig) -> None:
                             f"{', '.join(f'eval_{n}' for n in names) or 'no metrics of its own'}; or train_loss, "
                             f"eval_loss)")
         return
-    x, _ = data.eval[0]
-    model.eval()
+    task.check(model, data.train, data.eval, registry.label(config.model.name))
+
+
+def check_script(path: str) -> None:
+    """The script exists and is Python that compiles: a typo should not cost a cluster start."""
+    if not os.path.isfile(path):
+        raise UserError(f"script not found: {path}")
+    if not path.endswith(".py"):
+        raise UserError(f"script {path} is not a Python file (.py)")
     try:
-        with torch.no_grad():
-            out = model(x[None])
-    except Exception as e:
-        raise UserError(f"model '{registry.label(config.model.name)}' cannot take the data's inputs shaped "
-                        f"{tuple(x.shape)}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    task.check_labels(data.train, data.eval, out.shape[-1])
+        with open(path, "rb") as f:
+            compile(f.read(), path, "exec")
+    except (SyntaxError, ValueError) as e:
+        raise UserError(f"script {path} is not valid Python: {type(e).__name__}: {e}") from None
 
 
 def _latest_or_new_run_dir(name: str, resume: bool) -> str:

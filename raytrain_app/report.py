@@ -22,11 +22,19 @@ class Result:
     wall_s: float
 
 
-
 def summary(result: Result) -> str:
     last = result.metrics[-1] if result.metrics else {}
     best = result.best_metrics or {}
     c = result.config
+    if c.script:  # the script printed its own story; this is where it is kept
+        return summary_table([
+            ("run", result.run_dir),
+            ("script", " ".join([c.script.path, *c.script.args])),
+            ("workers", str(c.scaling.workers)),
+            ("reports", f"{len(result.metrics)} in metrics.jsonl" + (f", last: {_values(last)}" if last else "")),
+            ("final checkpoint", result.final_checkpoint or "-"),
+            ("wall time", f"{result.wall_s:.1f}s"),
+        ])
     rows = [
         ("run", result.run_dir),
         ("workers", f"{c.scaling.workers} x {c.scaling.backend}, {c.train.precision}"),
@@ -45,3 +53,8 @@ def summary(result: Result) -> str:
         rows.append(("MFU", f"{last['mfu']:.1%} ({last['tflops_per_worker']:.1f} TFLOP/s per GPU)"))
     rows.append(("wall time", f"{result.wall_s:.1f}s"))
     return summary_table(rows)
+
+
+def _values(row: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                     if k not in ("report", "checkpoint"))

@@ -5,7 +5,8 @@ append to a remote file, so it writes a local copy and uploads it after every re
 fails; a restarted worker first takes the uploaded log back, so a run keeps one log per rank.
 
 Rank 0 alone sends console events through a Ray queue that the driver drains: start-up marks,
-notices, progress within an epoch, epoch metrics, and a stop at a non-finite loss.
+notices, progress within an epoch, epoch metrics, a stop at a non-finite loss, or the lines a
+script prints.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class Reporter:
         for old in list(self.log.handlers):  # a worker process may be reused by a restarted run
             self.log.removeHandler(old)
             old.close()
-        handler = logging.FileHandler(self.local_log)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        self.log.addHandler(handler)
+        self.file = logging.FileHandler(self.local_log)
+        self.file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.log.addHandler(self.file)
 
     def info(self, message: str, *args) -> None:
         """A line for the log only."""
@@ -55,6 +56,14 @@ class Reporter:
         """A warning for the log and, from rank 0, for the console."""
         self.log.warning(message)
         self._send("notice", message)
+
+    def output(self, line: str) -> None:
+        """A line a script printed: into the log as it is and, from rank 0, to the console in
+        order, without waiting for the driver."""
+        self.file.stream.write(line + "\n")
+        self.file.flush()
+        if self.rank == 0:
+            put_nowait(self.events, ("output", line))
 
     def startup(self, marks: dict) -> None:
         self._send("startup", marks)

@@ -13,6 +13,7 @@ loss, or `(loss, {name: (sum, count)})`: its metrics are sums too, reported as s
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
 from typing import Callable, Optional
 
@@ -95,9 +96,11 @@ class Supervised(Task):
     def check_label(self, y: torch.Tensor, outputs: int, where: str) -> None:
         """Raise a one-line UserError when labels do not fit this task (checked on the driver)."""
 
-    def check_labels(self, train, eval_, outputs: int) -> None:
-        """Every label of in-memory datasets, else each split's first: cross_entropy would fail
-        later with a cryptic device assert, a regression with a silent broadcast."""
+    def check(self, model: nn.Module, train, eval_, model_name: str) -> None:
+        """The model takes an input; then every label of in-memory datasets, else each split's
+        first, fits: cross_entropy would fail later with a cryptic device assert, a regression
+        with a silent broadcast."""
+        outputs = call_model(model, eval_[0][0][None], model_name).shape[-1]
         for where, d in (("training", train), ("eval", eval_)):
             y = d.y if isinstance(d, ArrayDataset) else torch.as_tensor(d[0][1])[None]
             self.check_label(y, outputs, where)
@@ -217,7 +220,7 @@ class Multilabel(Supervised):
         if "accuracy" in self.wanted:
             m["accuracy"] = float(s["correct"]) / decisions
         if "f1_macro" in self.wanted:
-            m["f1_macro"] = f1_macro(s)
+            m["f1_macro"] = f1_macro(s, every_label=True)
         return m
 
     def outputs(self, sample_label, num_classes):
@@ -234,17 +237,90 @@ class Multilabel(Supervised):
             raise UserError(f"{where} labels must be 0 or 1 for task multilabel")
 
 
+class LanguageModel(Task):
+    """Batches of (B, T + 1) token ids; the model maps ids to (B, T, vocab) logits and is scored
+    on predicting every next token. perplexity is exp of the mean per-token cross-entropy."""
+
+    def __init__(self, config: TaskConfig):
+        self.wanted = config.metric_names
+        self.label_smoothing = config.label_smoothing
+
+    def _logits(self, model, ids):
+        return model(ids[:, :-1]), ids[:, 1:]
+
+    def train_loss(self, model, batch):
+        logits, target = self._logits(model, batch)
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=self.label_smoothing)
+        return loss, len(batch)
+
+    def eval_sums(self, model, batch):
+        logits, target = self._logits(model, batch)
+        logits, target = logits.flatten(0, 1).float(), target.flatten()
+        s = {"loss": F.cross_entropy(logits, target, label_smoothing=self.label_smoothing, reduction="sum"),
+             "nll": F.cross_entropy(logits, target, reduction="sum"),
+             "tokens": torch.tensor(float(target.numel()), device=target.device),
+             "samples": torch.tensor(float(len(batch)), device=target.device)}
+        if "token_accuracy" in self.wanted:
+            s["correct"] = (logits.argmax(1) == target).sum()
+        return s
+
+    def metrics(self, s):
+        tokens = float(s["tokens"])
+        m = {"loss": float(s["loss"]) / tokens, "samples": int(s["samples"])}
+        if "perplexity" in self.wanted:
+            m["perplexity"] = math.exp(float(s["nll"]) / tokens)
+        if "token_accuracy" in self.wanted:
+            m["token_accuracy"] = float(s["correct"]) / tokens
+        return m
+
+    @staticmethod
+    def outputs(sample, num_classes: int) -> int:
+        """The vocabulary, once the sample is known to be 1-D integer token ids at least 2 long."""
+        if not (isinstance(sample, torch.Tensor) and sample.dim() == 1 and not sample.is_floating_point()
+                and len(sample) >= 2):
+            shape = tuple(sample.shape) if isinstance(sample, torch.Tensor) else type(sample).__name__
+            raise UserError(f"task language_model needs samples of integer token ids shaped (T + 1,), got {shape}")
+        return num_classes
+
+    def check(self, model: nn.Module, train, eval_, model_name: str) -> None:
+        """The model maps ids to logits over a vocabulary that holds every token id."""
+        sample = train[0]
+        logits = call_model(model, torch.zeros_like(sample[None, :-1]), model_name)  # id 0 fits any vocabulary
+        if logits.dim() != 3 or logits.shape[:2] != (1, len(sample) - 1):
+            raise UserError(f"model '{model_name}' must map (B, T) token ids to (B, T, vocab) logits for task "
+                            f"language_model; it returned shape {tuple(logits.shape)}")
+        for where, d in (("training", train), ("eval", eval_)):
+            ids = getattr(d, "tokens", d[0])
+            if int(ids.max()) >= logits.shape[-1] or int(ids.min()) < 0:
+                raise UserError(f"{where} token ids range over [{int(ids.min())}, {int(ids.max())}] but the model's "
+                                f"vocabulary has {logits.shape[-1]} entries")
+
+
+def call_model(model: nn.Module, x, model_name: str) -> torch.Tensor:
+    """The model's output for one input on the driver, or a one-line error naming the input's shape."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(x)
+    except Exception as e:  # noqa: BLE001 - the user's model refusing the data is theirs to fix, in one line
+        raise UserError(f"model '{model_name}' cannot take the data's inputs shaped {tuple(x.shape[1:])}: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
 def f1_counts(pred: torch.Tensor, truth: torch.Tensor) -> Sums:
     """Per-class true positives, false positives and false negatives of (samples, classes) booleans."""
     return {"tp": (pred & truth).sum(0), "fp": (pred & ~truth).sum(0), "fn": (~pred & truth).sum(0)}
 
 
-def f1_macro(s: Sums) -> float:
-    """The mean F1 over classes that occur in the labels or the predictions (scikit-learn's
-    f1_score(average="macro") over those labels)."""
+def f1_macro(s: Sums, every_label: bool = False) -> float:
+    """The mean F1 over classes, as scikit-learn's f1_score(average="macro") takes it: for
+    classification the classes that occur in the labels or predictions; for multi-label data
+    `every_label` column, one never positive nor predicted scoring 0."""
     tp, fp, fn = s["tp"].double(), s["fp"].double(), s["fn"].double()
-    seen = (tp + fp + fn) > 0
-    return float((2 * tp[seen] / (2 * tp + fp + fn)[seen]).mean()) if bool(seen.any()) else 0.0
+    denominator = 2 * tp + fp + fn
+    f1 = torch.where(denominator > 0, 2 * tp / denominator.clamp_min(1), 0.0)
+    scored = f1 if every_label else f1[denominator > 0]
+    return float(scored.mean()) if scored.numel() else 0.0
 
 
 class CustomStep(Task):
@@ -303,8 +379,8 @@ def batch_size(batch) -> int:
 
 def build_task(config: TaskConfig) -> Task:
     if not config.custom:
-        return {"classification": Classification, "regression": Regression, "multilabel": Multilabel}[config.name](
-            config)
+        return {"classification": Classification, "regression": Regression, "multilabel": Multilabel,
+                "language_model": LanguageModel}[config.name](config)
     step = registry.resolve(config.name, {}, "task.name")
     eval_step = registry.resolve(config.eval_step, {}, "task.eval_step") if config.eval_step is not None else None
     for key, fn in (("task.name", step), ("task.eval_step", eval_step)):
@@ -341,7 +417,10 @@ def custom_metric_names(task: CustomStep, model: nn.Module, train) -> list[str]:
 
 
 def model_outputs(task: Task, train, num_classes: int) -> int:
-    """The model's output width: the task's, from a label; a custom step's model gets the class count."""
+    """The model's output width: the task's, from a label; otherwise the data's class count (a
+    language model's vocabulary)."""
     if isinstance(task, Supervised):
         return task.outputs(torch.as_tensor(train[0][1]), num_classes)
+    if isinstance(task, LanguageModel):
+        return task.outputs(train[0], num_classes)
     return num_classes

@@ -29,6 +29,7 @@ from raytrain_app.errors import (TrainingFailed, UserError, describe, describe_r
 from raytrain_app.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.plan import RunPlan
 from raytrain_app.report import Result
+from raytrain_app.script import RestartCount, run_script_per_worker
 
 
 def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None) -> Result:
@@ -46,10 +47,15 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
 
     _ray_train_settings(config)
     events = Queue()
+    restarts = RestartCount.remote() if config.script else None
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=events, progress=progress,
-                      log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd())
+                      log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd(),
+                      restarts=restarts)
+    callbacks = [RestartNotices(events, plan.run_dir, config.failure.max_failures, restarts)]
+    if config.script:
+        callbacks.append(ScriptReports(events, plan.run_dir))
     trainer = TorchTrainer(
-        functools.partial(train_loop_per_worker, args),
+        functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args),
         scaling_config=ray.train.ScalingConfig(num_workers=config.scaling.workers, use_gpu=plan.use_gpu,
                                                resources_per_worker=plan.resources_per_worker,
                                                placement_strategy=config.scaling.placement),
@@ -58,11 +64,11 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
             name=os.path.basename(plan.run_dir),
             storage_path=os.path.dirname(plan.run_dir),
             failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
-            callbacks=[RestartNotices(events, plan.run_dir, config.failure.max_failures)],
-            checkpoint_config=ray.train.CheckpointConfig(
+            callbacks=callbacks,
+            checkpoint_config=ray.train.CheckpointConfig(  # a script's checkpoints: the newest are kept
                 num_to_keep=config.checkpoint.keep,
-                checkpoint_score_attribute=config.checkpoint.metric,
-                checkpoint_score_order=config.checkpoint.mode,
+                checkpoint_score_attribute=None if config.script else config.checkpoint.metric,
+                checkpoint_score_order="max" if config.script else config.checkpoint.mode,
             ),
         ),
     )
@@ -82,9 +88,11 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     finally:
         listener.stop()
         ray.kill(events.actor)
+        if restarts is not None:
+            ray.kill(restarts)
     if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
         raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
-    best, best_metrics = _best(result.best_checkpoints or [], config.checkpoint)
+    best, best_metrics = (None, None) if config.script else _best(result.best_checkpoints or [], config.checkpoint)
     return Result(
         config=config,
         run_dir=plan.run_dir,
@@ -116,6 +124,9 @@ def _ray_train_settings(config: JobConfig) -> None:
     # Ray Train polls its workers every 2 s by default, which adds up to that much to every start
     # and finish; polling a handful of actors more often is cheap.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Ray Train sends what workers print to its own log as well as to stdout; a script's stdout
+    # is already captured line by line (script.RankOutput), which would then see every line twice.
+    os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
 
 
 def shipped_working_dir() -> bool:
@@ -124,7 +135,8 @@ def shipped_working_dir() -> bool:
 
 
 class MetricsLog:
-    """metrics.jsonl, one object per epoch; a re-run epoch (after a restart) replaces its row."""
+    """metrics.jsonl, one object per epoch; a re-run epoch (after a restart) replaces its row.
+    A script's reports without an `epoch` are numbered by their `report` count instead."""
 
     def __init__(self, path: str, resume: bool):
         self.path = path
@@ -133,15 +145,20 @@ class MetricsLog:
             for line in storage.read_text(path).splitlines():
                 if line.strip():
                     row = json.loads(line)
-                    self._rows[row["epoch"]] = row
+                    self._rows[_key(row)] = row
 
     def add(self, row: dict) -> None:
-        self._rows[row["epoch"]] = row
-        self._rows = {e: r for e, r in self._rows.items() if e <= row["epoch"]}
+        key = _key(row)
+        self._rows[key] = row
+        self._rows = {e: r for e, r in self._rows.items() if e <= key}
         storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
 
     def rows(self) -> list[dict]:
         return [self._rows[e] for e in sorted(self._rows)]
+
+
+def _key(row: dict) -> int:
+    return row.get("epoch", row.get("report", 0))
 
 
 class EventListener(threading.Thread):
@@ -176,6 +193,12 @@ class EventListener(threading.Thread):
         if kind == "nonfinite":
             self.nonfinite = payload
             return
+        if kind == "output":  # a script's line, as it printed it
+            self.echo(payload)
+            return
+        if kind == "report":  # a script's report: its own output says what it wants said
+            self.log.add(payload)
+            return
         self.progress.close()
         if kind == "startup":
             phases = startup_phases({**self.marks, **payload})
@@ -198,8 +221,9 @@ class RestartNotices(UserCallback):
     Failures past `failure.max_failures` end the run and are explained by `_explain` instead.
     """
 
-    def __init__(self, events: Queue, run_dir: str, max_failures: int):
+    def __init__(self, events: Queue, run_dir: str, max_failures: int, restarts=None):
         self.events, self.run_dir, self.max_failures = events, run_dir, max_failures
+        self.restarts = restarts  # a script run's RestartCount
         self.failures = 0
         self.latest: Optional[str] = None
 
@@ -214,9 +238,33 @@ class RestartNotices(UserCallback):
         # A rank whose process died is the cause; the others' broken collectives are the effect.
         died = [r for r, e in worker_exceptions.items() if process_died(e)]
         rank = min(died or worker_exceptions)
+        if self.restarts is not None:
+            self.restarts.add.remote()
         limit = "unlimited" if self.max_failures == -1 else self.max_failures
         self.events.put(("notice", f"{describe_rank(rank, worker_exceptions[rank])}; restarting from "
                                    f"{self.latest or 'the start'} (restart {self.failures} of {limit})"))
+
+
+class ScriptReports(UserCallback):
+    """In Ray Train's controller: each `raytrain_app.report` of a script, all ranks' values
+    combined (numbers averaged over the ranks that reported them, others rank 0's), to the
+    driver's metrics.jsonl."""
+
+    def __init__(self, events: Queue, run_dir: str):
+        self.events, self.run_dir = events, run_dir
+        self.count = 0
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        self.count += 1
+        row = {"report": self.count}
+        for key in dict.fromkeys(k for m in metrics for k in m):
+            values = [m[key] for m in metrics if key in m]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            mixed = len(numbers) != len(values) or len(set(numbers)) == 1  # or the same everywhere (an epoch)
+            row[key] = values[0] if mixed else sum(numbers) / len(numbers)
+        if checkpoint is not None:
+            row["checkpoint"] = storage.checkpoint_uri(self.run_dir, checkpoint)
+        self.events.put(("report", row))
 
 
 def _nonfinite_message(where: dict, latest) -> str:

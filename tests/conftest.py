@@ -1,7 +1,10 @@
-"""One real Ray cluster for the whole session, on loopback, reused by every distributed test."""
+"""One real Ray cluster for the whole session, on loopback, reused by every distributed test; and
+one torchrun run of the tutorial-style script, the reference its other launchers must match."""
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -46,3 +49,28 @@ def s3(tmp_path_factory):
     yield store
     proc.terminate()
     proc.wait(timeout=30)
+
+
+TUTORIAL_SCRIPT = "tests/scripts/tutorial_ddp.py"
+
+
+@pytest.fixture(scope="session")
+def torchrun_reference(tmp_path_factory) -> tuple[list[str], str]:
+    """The tutorial-style script under plain `torchrun --nproc_per_node 2`: rank 0's epoch lines
+    and its checkpoint, for the launchers that must give the same."""
+    from raytrain_app.data.parquet import DIGITS_FILE
+
+    checkpoint = str(tmp_path_factory.mktemp("torchrun") / "model.pt")
+    for _ in range(2):  # torch's Gloo has aborted at process exit here once ("terminate called without an
+        # active exception", after the script had finished): a second launch tells that from a broken script
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               TUTORIAL_SCRIPT, "--data", str(DIGITS_FILE), "--checkpoint", checkpoint], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0:
+            break
+    assert proc.returncode == 0, proc.stderr
+    return epoch_lines(proc.stdout), checkpoint
+
+
+def epoch_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("epoch ")]

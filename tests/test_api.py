@@ -11,7 +11,7 @@ from raytrain_app.config import JobConfig
 from raytrain_app.data import build_datasets
 from tests.conftest import REPO
 
-PUBLIC = {"fit", "load_model", "Result", "UserError", "ConfigError", "TrainingFailed"}
+PUBLIC = {"fit", "load_model", "Result", "UserError", "ConfigError", "TrainingFailed", "report", "latest_checkpoint"}
 
 
 def readme_example() -> str:

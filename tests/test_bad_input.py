@@ -35,6 +35,8 @@ def files(tmp_path_factory):
     pq.write_table(pa.table({"image": [[1.0, 2.0]] * 4, "label": [0, 1, 2, 3]}), d / "tiny.parquet")
     pq.write_table(pa.table({"image": [[1.0, 2.0]] * 8, "label": ["a"] * 8}), d / "strlabels.parquet")
     (d / "notparquet.parquet").write_text("this is not parquet")
+    (d / "not_python.py").write_text("train:\n  epochs: 3\n")  # a YAML job named .py
+    (d / "script.py").write_text("print('trained')\n")
     rows = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
     pq.write_table(pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), 4),
                              "label": pa.array(np.arange(40) % 50 + 0, pa.int64())}), d / "wide_labels.parquet")
@@ -111,6 +113,11 @@ def cases(d):
         # tasks, losses, metrics and custom steps
         # tasks: their own rules are in test_config, the driver's checks in test_tasks (in-process)
         ([DIGITS, "--set", "task.name=tests.helpers:dict_step"], "failed on a batch of 2 training samples"),
+        # scripts
+        (["no_such_script.py"], "script not found: no_such_script.py"),
+        ([str(d / "not_python.py")], "not_python.py is not valid Python: SyntaxError"),
+        ([str(d / "script.py"), "--set", "task.name=regression"], "task: is not used with a script"),
+        ([DIGITS, "--", "--lr", "0.1"], "arguments after the config (--lr 0.1"),
         # clusters
         ([DIGITS, "--address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
         ([DIGITS, "--address", "no-such-host.invalid:6379"], "cannot reach the Ray cluster"),

@@ -80,7 +80,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
      "scaling.backend: nccl cannot run two ranks on one GPU, and gpus_per_worker 0.5 makes workers share GPUs"),
     ("data: {eval_fraction: 1.5}\n", [], "data.eval_fraction: must be < 1, got 1.5$"),
     ("task: {name: ranking}\n", [], "task.name: unknown task 'ranking' \\(built-ins: classification, regression, "
-                                    "multilabel; or a custom step 'pkg.module:step'\\)$"),
+                                    "multilabel, language_model; or a custom step 'pkg.module:step'\\)$"),
     ("task: {loss: mse}\n", [], "task.loss: mse does not fit task classification \\(choose from cross_entropy\\)$"),
     ("task: {name: regression, metrics: [accuracy]}\n", [], "task.metrics: accuracy is not a regression metric"),
     ("task: {name: regression, loss: l1, label_smoothing: 0.1}\n", [], "task.label_smoothing: is used only with "

@@ -106,7 +106,8 @@ def test_empty_and_unlabelled_parquet(tmp_path):
 def test_labels_out_of_range_for_the_model():
     data = build_datasets(DataConfig(name="digits"))
     with pytest.raises(UserError, match=r"labels range over \[0, 9\] but the model has 5 outputs"):
-        build_task(TaskConfig()).check_labels(data.train, data.eval, 5)
+        build_task(TaskConfig()).check(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 5)),
+                                       data.train, data.eval, "linear")
 
 
 @pytest.mark.parametrize("size, world", [(25, 2), (7, 3), (2, 4), (100, 1)])

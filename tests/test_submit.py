@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 import yaml
 
 from raytrain_app.session import ClusterChoice, choose_cluster, running_local_cluster
 from raytrain_app.dashboard import Dashboard
 from raytrain_app.profiles import load_profile
-from tests.conftest import REPO, running
+from raytrain_app.data.parquet import DIGITS_FILE
+from tests.conftest import REPO, TUTORIAL_SCRIPT, epoch_lines, running
 
 
 def cli(*args, timeout=240, env=None):
@@ -387,3 +389,19 @@ def test_an_upload_too_large_is_one_line_before_submitting(project):
     proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", profile_file,
                            "--dry-run"], cwd=root, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_submitted_script_runs_unchanged_on_both_nodes_as_under_torchrun(two_nodes, torchrun_reference, tmp_path):
+    """No working_dir in the profile: the script's own folder travels with the job."""
+    profile_file, _ = two_nodes
+    reference_lines, reference_checkpoint = torchrun_reference
+    checkpoint = tmp_path / "model.pt"  # both nodes share this machine's disk: rank 0 writes it here
+    proc = cli("submit", TUTORIAL_SCRIPT, "--cluster", profile_file, "--", "--data", str(DIGITS_FILE),
+               "--checkpoint", str(checkpoint))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert epoch_lines(proc.stdout) == reference_lines  # rank 0's lines, streamed by --follow
+    run_dir = re.search(r"run directory (\S+)", proc.stdout).group(1)
+    logs = [(Path(run_dir) / "logs" / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert len({re.search(r"on node (\w+) ", log).group(1) for log in logs}) == 2  # a rank on each node
+    ours, theirs = torch.load(checkpoint), torch.load(reference_checkpoint)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

@@ -15,8 +15,9 @@ from sklearn import metrics as sk
 from torch import nn
 
 from raytrain_app.config import JobConfig, ScheduleConfig, TaskConfig, load_config
-from raytrain_app.data import Datasets, eval_loader
+from raytrain_app.data import Datasets, build_datasets, eval_loader
 from raytrain_app.data.arrays import ArrayDataset
+from raytrain_app.data.text import TokenBlocks
 from raytrain_app.loop import Precision, Step, evaluate, train_epoch
 from raytrain_app.optim import build_schedule
 from raytrain_app.errors import ConfigError, UserError
@@ -32,15 +33,20 @@ TASKS = {
     "classification": {"name": "classification", "metrics": ["accuracy", "top5", "f1_macro"]},
     "regression": {"name": "regression", "metrics": ["mse", "mae", "r2"]},
     "multilabel": {"name": "multilabel", "metrics": ["accuracy", "f1_macro"]},
+    "language_model": {"name": "language_model", "metrics": ["perplexity", "token_accuracy"]},
     "custom": {"name": "tests.helpers:dict_step"},
 }
-OUTPUTS = {"classification": 7, "regression": 2, "multilabel": 4, "custom": 1}
+OUTPUTS = {"classification": 7, "regression": 2, "multilabel": 4, "language_model": 11, "custom": 1}
 
 
 def eval_set(task: str):
     """Inputs, labels that fit the task, and a fixed model whose outputs are scored."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(EVAL_SIZE, 6, generator=g)
+    if task == "language_model":  # 25 sequences of 9 token ids from a vocabulary of 11
+        torch.manual_seed(0)
+        return torch.randint(0, 11, (EVAL_SIZE, 9), generator=g), None, nn.Sequential(nn.Embedding(11, 6),
+                                                                                        nn.Linear(6, 11))
     y = {"classification": torch.randint(0, 7, (EVAL_SIZE,), generator=g),
          "regression": torch.randn(EVAL_SIZE, 2, generator=g) * 3 + 1,
          "multilabel": torch.randint(0, 2, (EVAL_SIZE, 4), generator=g).float()}.get(task)
@@ -55,8 +61,8 @@ def _evaluate_shards(rank: int, out_file: str) -> None:
     for task, config in TASKS.items():
         x, y, model = eval_set(task)
         step = Step(model, Precision("fp32", torch.device("cpu")), task=build_task(TaskConfig(**config)))
-        ds = dict_data(eval_size=EVAL_SIZE)[1] if task == "custom" else ArrayDataset(x, y, torch.tensor(0.),
-                                                                                    torch.tensor(1.))
+        ds = (dict_data(eval_size=EVAL_SIZE)[1] if task == "custom" else TokenBlocks(x.to(torch.uint8))
+              if task == "language_model" else ArrayDataset(x, y, torch.tensor(0.), torch.tensor(1.)))
         loader = eval_loader(Datasets(ds, ds, (), 0), 5, rank, 2, 0, False)  # this rank's shard, batches of 5
         results[task] = evaluate(model, loader, step)
     if rank == 0:
@@ -84,6 +90,13 @@ def test_every_metric_is_exact_over_ranks_on_an_odd_eval_set(task, reduced):
             assert got["loss"] == pytest.approx(float(np.mean(error ** 2)), rel=1e-5)
             assert got["abs_error"] == pytest.approx(float(np.mean(np.abs(error))), rel=1e-5)
             return
+        if task == "language_model":  # every next-token prediction of every sequence
+            logits, target = model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()
+            nll = nn.functional.cross_entropy(logits, target).item()
+            assert got["perplexity"] == pytest.approx(np.exp(nll), rel=1e-5)
+            assert got["loss"] == pytest.approx(nll, rel=1e-5)
+            assert got["token_accuracy"] == pytest.approx(sk.accuracy_score(target, logits.argmax(1)))
+            return
         out = model(x)
     if task == "classification":
         pred = out.argmax(1).numpy()
@@ -103,6 +116,20 @@ def test_every_metric_is_exact_over_ranks_on_an_odd_eval_set(task, reduced):
         assert got["loss"] == pytest.approx(nn.functional.binary_cross_entropy_with_logits(out, y).item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("task", ["classification", "multilabel"])
+def test_f1_macro_counts_the_labels_scikit_learn_counts(task):
+    """Classes never seen nor predicted: classification leaves them out, multi-label scores them 0."""
+    t = build_task(TaskConfig(name=task, metrics=["f1_macro"]))
+    if task == "classification":  # 5 outputs, classes 3 and 4 absent
+        out, y = torch.eye(5)[[0, 1, 2, 0, 1]], torch.tensor([0, 1, 1, 0, 2])
+        expected = sk.f1_score(y, out.argmax(1), average="macro")
+    else:  # label column 2 is never positive nor predicted
+        out = torch.tensor([[1., -1, -1], [1, 1, -1], [-1, 1, -1]])
+        y = torch.tensor([[1., 0, 0], [0, 1, 0], [0, 1, 0]])
+        expected = sk.f1_score(y.int(), (out > 0).int(), average="macro", zero_division=0)
+    assert t.metrics(t.sums(out, y))["f1_macro"] == pytest.approx(expected)
+
+
 def run(config: dict, run_dir, overrides=()):
     job = load_config(config, overrides) if isinstance(config, str) else JobConfig.from_dict(config)
     return run_training(make_plan(job, run_dir=str(run_dir)), echo=lambda line: None)
@@ -117,6 +144,19 @@ def test_the_regression_example_reaches_its_bar(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval_r2"] for r in rows] == [r["eval_r2"] for r in result.metrics]  # every metric, every epoch
     assert result.best_metrics["eval_r2"] == max(r["eval_r2"] for r in rows if r["epoch"] % 4 == 0)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_charlm_example_beats_the_unigram_baseline(tmp_path):
+    result = run("examples/charlm.yaml", tmp_path / "run")
+    data = build_datasets(load_config("examples/charlm.yaml").data)
+    counts = torch.bincount(data.train.tokens[:, 1:].flatten().long(), minlength=256).double() + 1
+    targets = torch.bincount(data.eval.tokens[:, 1:].flatten().long(), minlength=256).double()
+    unigram = float(torch.exp(-(targets * (counts / counts.sum()).log()).sum() / targets.sum()))
+    last = result.metrics[-1]
+    assert last["eval_perplexity"] < unigram / 2, (last, unigram)  # the bar in the example's comment
+    assert last["eval_token_accuracy"] > 0.3 and last["eval_perplexity"] == pytest.approx(np.exp(last["eval_loss"]))
+    assert result.best_metrics["eval_perplexity"] == min(r["eval_perplexity"] for r in result.metrics)
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -160,6 +200,12 @@ def test_a_custom_step_on_nested_batches_with_accumulation():
     ("examples/digits.yaml", ["task.name=multilabel"], r"labels have shape \(\) per sample: task multilabel needs"),
     ("examples/regression.yaml", ["model.args={hidden: [8], num_classes: 3}"],
      "training targets have 1 values per sample but the model has 3 outputs"),
+    ("examples/regression.yaml", ["task={name: language_model}"],
+     r"needs samples of integer token ids shaped \(T \+ 1,\), got tuple"),
+    ("examples/charlm.yaml", ["model.args={n_layer: 1, num_classes: 100}"],
+     r"training token ids range over \[\d+, \d+\] but the model's vocabulary has 100 entries"),
+    ("examples/charlm.yaml", ["model.name=torch.nn:EmbeddingBag", "model.args={num_embeddings: 256, embedding_dim: 8}"],
+     r"must map \(B, T\) token ids to \(B, T, vocab\) logits"),
 ])
 def test_tasks_that_do_not_fit_the_data_fail_before_ray_in_one_line(path, overrides, message):
     """The driver's checks (`train` runs them before a cluster starts; test_bad_input has the CLI side)."""

@@ -25,6 +25,7 @@ from raytrain_app.config import DataConfig
 from raytrain_app.data.arrays import ArrayDataset, DeviceBatches
 from raytrain_app.data.parquet import digits, parquet
 from raytrain_app.data.synthetic import synthetic
+from raytrain_app.data.text import TokenBlocks, text
 from raytrain_app.data.vision import cifar10, fashion_mnist, mnist
 from raytrain_app.errors import UserError
 
@@ -35,7 +36,10 @@ BUILTINS = {
     "fashion_mnist": fashion_mnist,
     "cifar10": cifar10,
     "synthetic": synthetic,
+    "text": text,
 }
+# Datasets whose __getitems__ returns a whole collated batch: one indexing op per batch.
+BATCHED = (ArrayDataset, TokenBlocks)
 
 
 @dataclass
@@ -57,8 +61,9 @@ def build_datasets(config: DataConfig) -> Datasets:
         if len(ds) == 0:
             raise UserError(f"data: '{registry.label(config.name)}' gave an empty {split_name} set")
     sample = train[0]
-    # (input, label) pairs give the model its input shape; a custom step's samples may be anything.
-    first = sample[0] if isinstance(sample, (tuple, list)) and sample else None
+    # (input, label) pairs give the model its input shape, token blocks their length; a custom
+    # step's samples may be anything.
+    first = sample[0] if isinstance(sample, (tuple, list)) and sample else sample
     shape = tuple(first.shape) if isinstance(first, torch.Tensor) else ()
     return Datasets(train, eval_, shape, _num_classes(train, eval_))
 
@@ -136,7 +141,7 @@ def loader_workers(setting: Optional[int], ds: Datasets, cpus_per_worker: float)
     in-memory datasets (a batch is one indexing op), else one per spare CPU, at most 4."""
     if setting is not None:
         return setting
-    if isinstance(ds.train, ArrayDataset):
+    if isinstance(ds.train, BATCHED):
         return 0
     return max(0, min(4, int(cpus_per_worker) - 1))
 
@@ -145,8 +150,7 @@ def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, p
             resident: bool = False):
     if resident:
         return DeviceBatches(dataset, sampler, batch_size)
-    # Array datasets return a whole collated batch from __getitems__; others use the default collate.
-    collate = _as_is if isinstance(dataset, ArrayDataset) else None
+    collate = _as_is if isinstance(dataset, BATCHED) else None
     # The loader's own generator: starting an epoch's iterator must not draw from the global RNG,
     # or a run resumed mid-epoch would see different dropout and augmentation than the original.
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,

@@ -11,11 +11,12 @@ from torch import nn
 from raytrain_app import registry
 from raytrain_app.config import ModelConfig
 from raytrain_app.errors import ConfigError
+from raytrain_app.models.gpt import gpt
 from raytrain_app.models.lenet import lenet
 from raytrain_app.models.mlp import mlp
 from raytrain_app.models.resnet import resnet18
 
-BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18}
+BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
 
 
 def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

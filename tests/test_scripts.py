@@ -1,0 +1,82 @@
+"""torchrun-style scripts, unchanged, on Ray Train workers (`train SCRIPT.py -- ARGS`).
+
+Each test runs a real script on the session's Ray cluster with 2 Gloo workers: the tutorial-style
+script must give exactly what `torchrun --nproc_per_node 2` gives; a failing rank must be named;
+a killed rank must restart the group and the script resume through `latest_checkpoint()`.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+
+from raytrain_app import TrainingFailed, fit
+from raytrain_app.data.parquet import DIGITS_FILE
+from tests.conftest import TUTORIAL_SCRIPT, epoch_lines
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+PROBE = '''
+import json, os, sys
+import torch.distributed as dist
+import raytrain_app
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "RAYTRAIN_RUN_DIR"]
+dist.init_process_group("gloo")  # from the environment, as under torchrun
+print("env " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv, "cwd": os.getcwd(),
+                           "main": __name__}))
+raytrain_app.report({"rank_value": dist.get_rank(), "name": f"rank {dist.get_rank()}"})
+if dist.get_rank() == 1:
+    raise RuntimeError("boom on rank 1")
+print("rank 0 done")
+'''
+
+
+def run(script, run_dir, args=(), overrides=()):
+    lines = []
+    result = fit(str(script), script_args=list(args), workers=2, run_dir=str(run_dir), overrides=overrides,
+                 echo=lines.append)
+    return result, lines
+
+
+def test_a_tutorial_script_runs_unchanged_and_matches_torchrun(tmp_path, torchrun_reference):
+    reference_lines, reference_checkpoint = torchrun_reference
+    checkpoint = tmp_path / "model.pt"
+    _, lines = run(TUTORIAL_SCRIPT, tmp_path / "run", ["--data", str(DIGITS_FILE), "--checkpoint", str(checkpoint)])
+    assert epoch_lines("\n".join(lines)) == reference_lines and len(reference_lines) == 2  # rank 0's prints only
+    ours, theirs = torch.load(checkpoint), torch.load(reference_checkpoint)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)  # bit for bit
+    rank1 = (tmp_path / "run" / "logs" / "rank-1.log").read_text()
+    assert "rank 1/2 on node" in rank1 and "epoch " not in rank1  # rank 1 printed nothing
+
+
+def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environment(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    with pytest.raises(TrainingFailed, match=r"^rank 1 on node [\d.]+: RuntimeError: boom on rank 1$"):
+        run(script, tmp_path / "run", ["--flag", "value"])
+    logs = tmp_path / "run" / "logs"
+    seen = [json.loads(re.search(r"^env (.*)$", (logs / f"rank-{r}.log").read_text(), re.M).group(1)) for r in (0, 1)]
+    for rank, probe in enumerate(seen):
+        env = probe["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank),
+                                                                                                "2", "2")
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == "0" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["RAYTRAIN_RUN_DIR"] == str(tmp_path / "run")
+        assert probe["argv"] == [str(script), "--flag", "value"] and probe["main"] == "__main__"
+    assert seen[0]["env"]["MASTER_PORT"] == seen[1]["env"]["MASTER_PORT"]
+    assert "Traceback" in (logs / "rank-1.log").read_text()  # the whole story stays in the rank's log
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"report": 1, "rank_value": 0.5, "name": "rank 0"}]  # numbers averaged, others rank 0's
+
+
+def test_a_killed_rank_restarts_the_group_and_the_script_resumes(tmp_path):
+    result, lines = run("examples/torchrun_script/train.py", tmp_path / "run", ["--epochs", "4", "--crash-at-epoch", "2"],
+                        overrides=["failure.max_failures=1"])
+    said = "\n".join(lines)
+    assert re.search(r"warning: rank 1 .*worker process died.*restarting from .*checkpoint_.*\(restart 1 of 1\)", said)
+    resumed = int(re.search(r"^restart 1: resumed from \S+ at epoch (\d)$", said, re.M).group(1))
+    assert resumed in (1, 2)  # from the last checkpoint Ray Train had registered when rank 1 died
+    assert [row["epoch"] for row in result.metrics] == [0, 1, 2, 3]  # re-run epochs replace their rows
+    assert result.metrics[-1]["accuracy"] > 0.8 and result.final_checkpoint == result.metrics[-1]["checkpoint"]
