@@ -178,10 +178,10 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
             torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         with sync:
             with step.precision.autocast():
-                loss, count = step.task.train_loss(step.model, batch)
+                loss, count, named = step.task.train_loss(step.model, batch)
             window = window_end - window_start
             step.precision.backward(loss / window if window > 1 else loss)
-        totals.add(loss, count)
+        totals.add(loss, count, named)
         state.batch = i + 1
         if last:
             lr = state.optimizer.param_groups[0]["lr"]

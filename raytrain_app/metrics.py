@@ -19,41 +19,60 @@ from torch import nn
 
 
 class Totals:
-    """Running sums of (loss x samples, samples, data wait) over a rank's training epoch.
+    """Running sums of (loss x samples, samples, data wait) over a rank's training epoch, and a
+    custom step's own metrics as (sum, count) pairs.
 
-    The sample count lives on the host (it is known there), so a training step costs one
-    device op here.
+    The sample count lives on the host (it is known there), so a built-in step costs one device
+    op here; everything is all-reduced in one collective at the epoch's end.
     """
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.named: dict[str, torch.Tensor] = {}  # name -> [sum, count]
         self.samples = 0
         self.data_wait_s = 0.0  # host time spent waiting for batches
 
-    def add(self, mean_loss: torch.Tensor, count: int) -> None:
+    def add(self, mean_loss: torch.Tensor, count: int, named: Optional[dict] = None) -> None:
         self.sums[0].add_(mean_loss.detach(), alpha=count)
         self.samples += count
+        for name, (total, n) in (named or {}).items():
+            on = {"dtype": torch.float64, "device": self.sums.device}
+            pair = torch.stack([torch.as_tensor(total, **on).detach(), torch.as_tensor(n, **on)])
+            if name in self.named:
+                self.named[name] += pair
+            else:
+                self.named[name] = pair
 
     def all_reduce(self) -> "Totals":
         """Sum over ranks; afterwards `data_wait_s` is the mean over ranks."""
         self.sums[1], self.sums[2] = self.samples, self.data_wait_s
         world = 1
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(self.sums)
+            names = sorted(self.named)  # every rank's step reports the same names
+            flat = torch.cat([self.sums, *(self.named[n] for n in names)])
+            dist.all_reduce(flat)
+            self.sums.copy_(flat[:3])
+            self.named = {n: flat[3 + 2 * i: 5 + 2 * i] for i, n in enumerate(names)}
             world = dist.get_world_size()
         self.samples, self.data_wait_s = int(self.sums[1]), float(self.sums[2]) / world
         return self
 
     def state_dict(self) -> dict:
-        return {"sums": self.sums.cpu(), "samples": self.samples, "data_wait_s": self.data_wait_s}
+        return {"sums": self.sums.cpu(), "samples": self.samples, "data_wait_s": self.data_wait_s,
+                "named": {n: v.cpu() for n, v in self.named.items()}}
 
     def load_state_dict(self, saved: dict) -> None:
         self.sums.copy_(saved["sums"])
         self.samples, self.data_wait_s = saved["samples"], saved["data_wait_s"]
+        self.named = {n: v.to(self.sums.device) for n, v in saved.get("named", {}).items()}
 
     @property
     def loss(self) -> float:
         return float(self.sums[0]) / self.samples
+
+    def metrics(self) -> dict[str, float]:
+        """A custom step's metrics over the epoch: sum / count."""
+        return {name: float(pair[0]) / max(float(pair[1]), 1e-12) for name, pair in self.named.items()}
 
 
 class Sums:
@@ -194,6 +213,7 @@ class EpochMetrics:
             "epoch": epoch,
             "step": step,
             "train_loss": train.loss,
+            **{f"train_{name}": value for name, value in train.metrics().items()},
             **{f"eval_{name}": value for name, value in evaluated.items()},
             "samples_per_s": train.samples / slowest,
             "samples_per_s_per_worker": train.samples / slowest / self.world_size,

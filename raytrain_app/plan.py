@@ -121,10 +121,10 @@ def check_data_and_model(config: JobConfig) -> None:
     if isinstance(task, CustomStep):
         names = custom_metric_names(task, model, data.train)
         metric = config.checkpoint.metric
-        if metric not in ("auto", "train_loss", "eval_loss", *(f"eval_{n}" for n in names)):
+        reported = [f"{split}_{n}" for n in names for split in ("eval", "train")]
+        if metric not in ("auto", "train_loss", "eval_loss", *reported):
             raise UserError(f"checkpoint.metric: {metric} is not a metric of this run (the step reports "
-                            f"{', '.join(f'eval_{n}' for n in names) or 'no metrics of its own'}; or train_loss, "
-                            f"eval_loss)")
+                            f"{', '.join(reported) or 'no metrics of its own'}; or train_loss, eval_loss)")
         return
     task.check(model, data.train, data.eval, registry.label(config.model.name))
 

@@ -35,8 +35,9 @@ class Task(ABC):
     them, nested) on the device in one go."""
 
     @abstractmethod
-    def train_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
-        """The mean loss to step on, and how many samples it covers."""
+    def train_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int, dict]:
+        """The mean loss to step on, how many samples it covers, and a custom step's own metrics
+        as {name: (sum, count)} (built-in tasks report none while training)."""
 
     @abstractmethod
     def eval_sums(self, model: nn.Module, batch) -> Sums:
@@ -74,7 +75,7 @@ class Supervised(Task):
 
     def train_loss(self, model, batch):
         x, y = batch
-        return self.loss(model(x), y), len(y)
+        return self.loss(model(x), y), len(y), {}
 
     def eval_sums(self, model, batch):
         x, y = batch
@@ -251,7 +252,7 @@ class LanguageModel(Task):
     def train_loss(self, model, batch):
         logits, target = self._logits(model, batch)
         loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=self.label_smoothing)
-        return loss, len(batch)
+        return loss, len(batch), {}
 
     def eval_sums(self, model, batch):
         logits, target = self._logits(model, batch)
@@ -331,8 +332,8 @@ class CustomStep(Task):
         self.step, self.eval_step = step, eval_step or step
 
     def train_loss(self, model, batch):
-        loss, _ = self._call(self.step, model, batch)
-        return loss, batch_size(batch)
+        loss, named = self._call(self.step, model, batch)
+        return loss, batch_size(batch), named
 
     def eval_sums(self, model, batch):
         loss, named = self._call(self.eval_step, model, batch)

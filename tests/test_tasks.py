@@ -165,6 +165,7 @@ def test_a_custom_step_example_trains_and_checkpoints_by_its_own_metric(tmp_path
     assert result.metrics[-1]["eval_accuracy"] >= 0.9  # the bar in the example's comment
     assert result.best_metrics["eval_accuracy"] == max(r["eval_accuracy"] for r in result.metrics)
     assert 0 < result.metrics[-1]["eval_confident"] <= 1
+    assert result.metrics[-1]["train_accuracy"] >= 0.8 and 0 < result.metrics[-1]["train_confident"] <= 1
 
 
 def test_a_custom_step_on_nested_batches_with_accumulation():
@@ -190,11 +191,28 @@ def test_a_custom_step_on_nested_batches_with_accumulation():
     assert after["abs_error"] == pytest.approx(error.abs().mean().item(), rel=1e-5)
 
 
+def test_a_custom_steps_own_metrics_are_summed_over_the_training_epoch():
+    """With the learning rate at 0 the model stays put, so the epoch's train_abs_error must be the
+    mean absolute error over the whole training set, whatever the batches and accumulation."""
+    train, _ = dict_data(train_size=30)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 4, 1), None)
+    step = Step(model, Precision("fp32", torch.device("cpu")), accum_steps=2,
+                task=build_task(TaskConfig(name="tests.helpers:dict_step")))
+    totals = train_epoch(step, torch.utils.data.DataLoader(train, batch_size=4), state).all_reduce()
+    error = (model(train.x).squeeze(1) - train.y).detach()
+    assert totals.metrics() == {"abs_error": pytest.approx(error.abs().mean().item(), rel=1e-6)}
+    assert totals.loss == pytest.approx(error.pow(2).mean().item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("path, overrides, message", [
     ("examples/digits.yaml", ["task.name=tests.helpers:one_argument_step"], "must take \\(model, batch\\)"),
     ("examples/digits.yaml", ["task.name=tests.helpers:no_such_step"], "has no callable 'no_such_step'"),
     ("examples/custom_step/job.yaml", ["checkpoint.metric=eval_f1"],
-     r"checkpoint.metric: eval_f1 is not a metric of this run \(the step reports eval_accuracy, eval_confident"),
+     r"checkpoint.metric: eval_f1 is not a metric of this run \(the step reports eval_accuracy, train_accuracy, "
+     r"eval_confident, train_confident; or train_loss, eval_loss\)"),
     ("examples/regression.yaml", ["task={name: classification}"], "training labels are floats .*use task.name: "
                                                                   "regression"),
     ("examples/digits.yaml", ["task.name=multilabel"], r"labels have shape \(\) per sample: task multilabel needs"),
