@@ -56,6 +56,7 @@ class Submission:
             ("workers", f"{s.workers} = {self.nodes} nodes x {self.workers_per_node} per node"),
             ("per worker", per_worker),
             ("placement", s.placement),
+            ("script", " ".join([self.config.script.path, *self.config.script.args])) if self.config.script else
             ("backend", f"{s.backend}, {self.config.train.precision}"),
             ("storage", self.run_dir),
             ("runtime_env", json.dumps(shown_env, sort_keys=True)),

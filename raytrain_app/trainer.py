@@ -53,7 +53,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
                       restarts=restarts)
     callbacks = [RestartNotices(events, plan.run_dir, config.failure.max_failures, restarts)]
     if config.script:
-        callbacks.append(ScriptReports(events, plan.run_dir))
+        callbacks.append(ScriptReports(events, plan.run_dir, reported=len(history.rows())))  # --resume continues
     trainer = TorchTrainer(
         functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args),
         scaling_config=ray.train.ScalingConfig(num_workers=config.scaling.workers, use_gpu=plan.use_gpu,
@@ -250,9 +250,9 @@ class ScriptReports(UserCallback):
     combined (numbers averaged over the ranks that reported them, others rank 0's), to the
     driver's metrics.jsonl."""
 
-    def __init__(self, events: Queue, run_dir: str):
+    def __init__(self, events: Queue, run_dir: str, reported: int):
         self.events, self.run_dir = events, run_dir
-        self.count = 0
+        self.count = reported
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         self.count += 1

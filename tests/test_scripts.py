@@ -80,3 +80,25 @@ def test_a_killed_rank_restarts_the_group_and_the_script_resumes(tmp_path):
     assert resumed in (1, 2)  # from the last checkpoint Ray Train had registered when rank 1 died
     assert [row["epoch"] for row in result.metrics] == [0, 1, 2, 3]  # re-run epochs replace their rows
     assert result.metrics[-1]["accuracy"] > 0.8 and result.final_checkpoint == result.metrics[-1]["checkpoint"]
+
+
+COUNTER = '''
+import os, tempfile
+import raytrain_app
+start = 0 if raytrain_app.latest_checkpoint() is None else 2
+for i in range(start, start + 2):
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "i"), "w") as f:
+            f.write(str(i))
+        raytrain_app.report({"i": i}, checkpoint_dir=folder if os.environ["RANK"] == "0" else None)
+'''
+
+
+def test_resume_continues_a_scripts_reports_and_checkpoints(tmp_path):
+    script = tmp_path / "count.py"
+    script.write_text(COUNTER)
+    run(script, tmp_path / "run")
+    resumed = fit(str(script), workers=2, run_dir=str(tmp_path / "run"), resume=True, echo=lambda line: None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["report"], r["i"]) for r in rows] == [(1, 0), (2, 1), (3, 2), (4, 3)]  # appended, none replaced
+    assert open(resumed.final_checkpoint + "/i").read() == "3"
