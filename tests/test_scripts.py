@@ -33,10 +33,10 @@ print("rank 0 done")
 '''
 
 
-def run(script, run_dir, args=(), overrides=()):
+def run(script, run_dir, args=(), overrides=(), resume=False):
     lines = []
     result = fit(str(script), script_args=list(args), workers=2, run_dir=str(run_dir), overrides=overrides,
-                 echo=lines.append)
+                 resume=resume, echo=lines.append)
     return result, lines
 
 
@@ -71,34 +71,19 @@ def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environmen
     assert rows == [{"report": 1, "rank_value": 0.5, "name": "rank 0"}]  # numbers averaged, others rank 0's
 
 
-def test_a_killed_rank_restarts_the_group_and_the_script_resumes(tmp_path):
+def test_a_killed_rank_restarts_the_group_and_the_script_resumes_also_with_resume(tmp_path):
     result, lines = run("examples/torchrun_script/train.py", tmp_path / "run", ["--epochs", "4", "--crash-at-epoch", "2"],
                         overrides=["failure.max_failures=1"])
     said = "\n".join(lines)
     assert re.search(r"warning: rank 1 .*worker process died.*restarting from .*checkpoint_.*\(restart 1 of 1\)", said)
-    resumed = int(re.search(r"^restart 1: resumed from \S+ at epoch (\d)$", said, re.M).group(1))
-    assert resumed in (1, 2)  # from the last checkpoint Ray Train had registered when rank 1 died
+    at = int(re.search(r"^restart 1: resumed from \S+ at epoch (\d)$", said, re.M).group(1))
+    assert at in (1, 2)  # from the last checkpoint Ray Train had registered when rank 1 died
     assert [row["epoch"] for row in result.metrics] == [0, 1, 2, 3]  # re-run epochs replace their rows
     assert result.metrics[-1]["accuracy"] > 0.8 and result.final_checkpoint == result.metrics[-1]["checkpoint"]
 
-
-COUNTER = '''
-import os, tempfile
-import raytrain_app
-start = 0 if raytrain_app.latest_checkpoint() is None else 2
-for i in range(start, start + 2):
-    with tempfile.TemporaryDirectory() as folder:
-        with open(os.path.join(folder, "i"), "w") as f:
-            f.write(str(i))
-        raytrain_app.report({"i": i}, checkpoint_dir=folder if os.environ["RANK"] == "0" else None)
-'''
-
-
-def test_resume_continues_a_scripts_reports_and_checkpoints(tmp_path):
-    script = tmp_path / "count.py"
-    script.write_text(COUNTER)
-    run(script, tmp_path / "run")
-    resumed = fit(str(script), workers=2, run_dir=str(tmp_path / "run"), resume=True, echo=lambda line: None)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["report"], r["i"]) for r in rows] == [(1, 0), (2, 1), (3, 2), (4, 3)]  # appended, none replaced
-    assert open(resumed.final_checkpoint + "/i").read() == "3"
+    # --resume with more epochs: the script finds the last checkpoint, and its reports are added
+    # after the earlier ones, none replaced.
+    resumed, lines = run("examples/torchrun_script/train.py", tmp_path / "run", ["--epochs", "5"], resume=True)
+    assert re.search(r"^restart 0: resumed from \S+ at epoch 4$", "\n".join(lines), re.M)
+    assert [row["epoch"] for row in resumed.metrics] == [0, 1, 2, 3, 4]
+    assert resumed.metrics[-1]["report"] == result.metrics[-1]["report"] + 1
