@@ -6,6 +6,8 @@
 
 It trains an MLP on the handwritten digits shipped with raytrain-app, the tutorials' way:
 env:// rendezvous, DistributedSampler with set_epoch, all-reduced accuracy, rank-0 printing.
+Accuracy passes 0.8 on the held-out digits in 4 epochs (tests/test_scripts.py checks it, through
+a restart), in about 30 seconds here.
 Under raytrain-app it also reports each epoch (metrics.jsonl) with a rank-0 checkpoint, and
 resumes from the latest one after a restart (--max-failures) or --resume; under torchrun those
 two calls do nothing. --crash-at-epoch N kills rank 1 once at epoch N, to watch a restart.
