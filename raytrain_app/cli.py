@@ -178,6 +178,27 @@ def list_(profile_file):
             click.echo(f"{job.submission_id or job.job_id}  {job.status.value:<9}  {job.entrypoint[:60]}")
 
 
+@main.command("report")
+@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True)
+@click.option("-o", "--output", help="Where the PNG goes (path or URI). Default: RUN_DIR/report.png for one run, "
+                                     "report.png here for several.")
+def report_(run_dirs, output):
+    """Draw runs' curves into one PNG: loss, the task's metrics, learning rate, samples/s, the
+    data/comm/compute split, and restarts on a time axis; several runs share the axes.
+
+    \b
+    Examples:
+      raytrain-app report runs/digits-20261123-101500
+      raytrain-app report runs/digits-* -o compare.png
+    """
+    from raytrain_app import plots, storage
+
+    with _command():
+        one = len(run_dirs) == 1
+        click.echo(plots.write(list(run_dirs), output or (storage.join(run_dirs[0], "report.png") if one else
+                                                          "report.png")))
+
+
 @main.group("config")
 def config_():
     """Inspect job configs: the JSON Schema, and a config as it would run."""

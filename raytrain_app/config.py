@@ -13,6 +13,7 @@ and validated again there.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
@@ -220,6 +221,40 @@ class FailureConfig(Section):
     max_failures: int = Field(0, ge=-1, description="worker-group restarts before the run fails (-1: unlimited)")
 
 
+class MlflowConfig(Section):
+    tracking_uri: Optional[str] = Field(None, description="an http(s):// MLflow server, sqlite:///FILE or a databricks "
+                                                          "URI (null: $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/"
+                                                          "mlflow.db); credentials from the environment only")
+    experiment: Optional[str] = Field(None, description="experiment name (null: the job's name)")
+    run_name: Optional[str] = Field(None, description="null: the run directory's name")
+    log_checkpoint: bool = Field(False, description="copy the best checkpoint's files into the MLflow run (default: "
+                                                    "its URI only, as a tag and best_checkpoint.json)")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, value: Optional[str]) -> Optional[str]:
+        if value and re.match(r"^[a-z+]+://[^/@]+:[^/@]*@", value):
+            raise ValueError("must not carry a password: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                             "in the environment (or the profile's runtime_env.env_vars) instead")
+        return value
+
+
+class WandbConfig(Section):
+    project: str = Field(description="W&B project")
+    entity: Optional[str] = Field(None, description="team or user (null: the API key's default)")
+    mode: Literal["online", "offline"] = Field("online", description="offline writes RUN_DIR/wandb for `wandb "
+                                                                     "sync`; online needs WANDB_API_KEY")
+
+
+class TrackingConfig(Section):
+    tensorboard: bool = Field(True, description="event files under RUN_DIR/tensorboard")
+    mlflow: Optional[MlflowConfig] = Field(None, description="log to MLflow (pip install 'raytrain-app[mlflow]')")
+    wandb: Optional[WandbConfig] = Field(None, description="log to Weights & Biases (pip install "
+                                                          "'raytrain-app[wandb]')")
+    log_every_steps: int = Field(50, ge=0, description="step-level train loss, lr and samples/s every N optimizer "
+                                                       "steps (0: epoch-level only)")
+
+
 class ScriptConfig(Section):
     path: str = Field(description="a torchrun-style Python script, run unchanged as __main__ on every worker "
                                   "(relative to the launch directory, or to the job's working_dir)")
@@ -243,6 +278,7 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     failure: FailureConfig = Field(default_factory=FailureConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     script: Optional[ScriptConfig] = Field(None, description="run this script instead of the built-in loop "
                                                              "(`raytrain-app train SCRIPT.py -- ARGS` sets it)")
 
@@ -274,7 +310,7 @@ class JobConfig(Section):
         if self.script is not None:
             problems += [f"{key}: is not used with a script, which trains itself (a script takes "
                          f"{', '.join(SCRIPT_SECTIONS)})" for key in ("seed", "model", "data", "task", "optimizer",
-                                                                    "schedule", "train")
+                                                                    "schedule", "train", "tracking")
                          if getattr(self, key) != JobConfig.model_fields[key].get_default(call_default_factory=True)]
         names = self.task.metric_names
         metric = self.checkpoint.metric

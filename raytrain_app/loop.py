@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from raytrain_app import checkpoint
+from raytrain_app.console import startup_phases
 from raytrain_app.config import JobConfig, TaskConfig
 from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
 from raytrain_app.metrics import EpochMetrics, Sums, Totals
@@ -39,6 +40,7 @@ from raytrain_app.reporter import Reporter
 from raytrain_app.state import TrainState
 from raytrain_app.strategy import parallelize
 from raytrain_app.tasks import Classification, Task, build_task, model_outputs
+from raytrain_app.tracking import Trackers
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class WorkerArgs:
     log_dir: str  # RUN_DIR/logs, a local path or URI: where rank-N.log goes
     cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
     restarts: Any = None  # a script run's script.RestartCount actor
+    marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
@@ -67,7 +70,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     report = Reporter(args.events, rank, args.log_dir, args.progress)
     report.info("rank %d/%d on node %s, device %s", rank, world_size, ray.get_runtime_context().get_node_id(), device)
     try:
-        _run(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, device, report, entered)
+        _run(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, device, report,
+             {**(args.marks or {}), "loop": entered})
     except BaseException:
         report.failed()
         raise
@@ -75,7 +79,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
 
 
 def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch.device, report: Reporter,
-         entered: float) -> None:
+         marks: dict) -> None:
     tc = job.train
     # The same seed on every rank for the initial weights (DDP broadcasts rank 0's anyway, and a
     # 1-worker run starts from the same ones), then each rank its own for dropout and augmentation.
@@ -111,7 +115,8 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
     # What each checkpoint holds besides the state: the config, and what the model was built for
     # (`raytrain_app.load_model` rebuilds it from these).
     about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs}
-    after_step = AfterStep(job, about, rank, step.loss_check, report, {"loop": entered, "ready": time.time()})
+    trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
+    after_step = AfterStep(job, about, rank, step.loss_check, report, trackers, {**marks, "ready": time.time()})
 
     try:
         for epoch in range(state.epoch, tc.epochs):
@@ -131,9 +136,12 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
             save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs
             report_to_ray(metrics, state, rank, about if save else None)
             report.epoch(metrics)
+            trackers.epoch(metrics)
             report.sync()
     except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
         report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
+    finally:
+        trackers.close()
 
 
 @dataclass
@@ -220,17 +228,21 @@ def evaluate(model: nn.Module, loader, step: Step) -> dict[str, float]:
 
 
 class AfterStep:
-    """What follows an optimizer step: rank 0 tells the driver where start-up went (at a fresh
-    run's first step), and every `checkpoint.every_steps` steps a mid-epoch checkpoint records
-    the position within the epoch."""
+    """What follows an optimizer step: rank 0 tells the driver and the trackers where start-up went
+    (at a fresh run's first step), the trackers get their step-level point, and every
+    `checkpoint.every_steps` steps a mid-epoch checkpoint records the position within the epoch."""
 
-    def __init__(self, job: JobConfig, about: dict, rank: int, loss_check: LossCheck, report: Reporter, marks: dict):
+    def __init__(self, job: JobConfig, about: dict, rank: int, loss_check: LossCheck, report: Reporter,
+                 trackers: Trackers, marks: dict):
         self.job, self.about, self.rank, self.loss_check, self.report = job, about, rank, loss_check, report
-        self.marks = marks
+        self.trackers, self.marks = trackers, marks
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
         if state.step == 1:
-            self.report.startup({**self.marks, "first_step": time.time()})
+            marks = {**self.marks, "first_step": time.time()}
+            self.report.startup(marks)
+            self.trackers.startup(startup_phases(marks))
+        self.trackers.step(state)
         every = self.job.checkpoint.every_steps
         if every and state.step % every == 0 and not last_in_epoch:
             self.loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned

@@ -221,6 +221,7 @@ class EpochMetrics:
             "epoch_time_s": slowest,
             "world_size": self.world_size,
             "lr": lr,
+            "time": time.time(),  # when the epoch ended, for pictures on a time axis (restarts)
         }
         if self.device.type == "cuda" and self.flops_per_sample is None:
             self.flops_per_sample = train_flops_per_sample(self.model, self.input_shape) or 0.0

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_app import registry, storage
+from raytrain_app import registry, storage, tracking
 from raytrain_app.config import HIGHER_IS_BETTER, JobConfig, updated
 from raytrain_app.errors import ConfigError, UserError
 
@@ -67,6 +67,8 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
     except ConfigError as e:
         raise ConfigError(*[f"{source}: {line}" for line in e.lines]) from None
     storage.check_writable(run_dir)
+    if not config.script:
+        tracking.check(config.tracking, run_dir)
     return RunPlan(config, run_dir, resume)
 
 

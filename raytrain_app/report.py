@@ -20,6 +20,7 @@ class Result:
     best_metrics: Optional[dict]  # that checkpoint's row
     final_checkpoint: Optional[str]
     wall_s: float
+    report: Optional[str] = None  # report.png, the run's curves
 
 
 def summary(result: Result) -> str:
@@ -33,6 +34,7 @@ def summary(result: Result) -> str:
             ("workers", str(c.scaling.workers)),
             ("reports", f"{len(result.metrics)} in metrics.jsonl" + (f", last: {_values(last)}" if last else "")),
             ("final checkpoint", result.final_checkpoint or "-"),
+            ("report", result.report or "-"),
             ("wall time", f"{result.wall_s:.1f}s"),
         ])
     rows = [
@@ -51,6 +53,7 @@ def summary(result: Result) -> str:
                                           f"compute {last['compute_frac']:.0%}"))
     if "mfu" in last:
         rows.append(("MFU", f"{last['mfu']:.1%} ({last['tflops_per_worker']:.1f} TFLOP/s per GPU)"))
+    rows.append(("report", result.report or "-"))
     rows.append(("wall time", f"{result.wall_s:.1f}s"))
     return summary_table(rows)
 

@@ -80,6 +80,14 @@ def upload(local_path: str, path: str) -> None:
     pafs.copy_files(local_path, p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
+def download(path: str, local_path: str) -> None:
+    """Copy a file or directory at `path` (a local path or URI) to a local path."""
+    fs, p = filesystem_for(path)
+    if fs.get_file_info(p).type == pafs.FileType.Directory:
+        os.makedirs(local_path, exist_ok=True)
+    pafs.copy_files(p, local_path, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+
+
 def checkpoint_uri(run_dir: str, checkpoint) -> str:
     """Where a Ray checkpoint is, for the user and for `storage` calls.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import threading
 import time
 from contextlib import suppress
@@ -20,7 +21,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 from ray.util.queue import Empty, Queue
 
-from raytrain_app import storage
+from raytrain_app import storage, tracking
 from raytrain_app.capacity import check_workers_fit, connected_nodes
 from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
@@ -44,13 +45,17 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     check_workers_fit(connected_nodes(), s.workers, s.cpus_per_worker, s.gpus_per_worker)
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
+    if plan.resume:
+        record_restart(plan.run_dir, "resume", "--resume")
+    record_status(plan.run_dir, "running")
 
     _ray_train_settings(config)
     events = Queue()
     restarts = RestartCount.remote() if config.script else None
+    marks = {**(marks or {}), "fit": time.time()}
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=events, progress=progress,
                       log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd(),
-                      restarts=restarts)
+                      restarts=restarts, marks=marks)
     callbacks = [RestartNotices(events, plan.run_dir, config.failure.max_failures, restarts)]
     if config.script:
         callbacks.append(ScriptReports(events, plan.run_dir, reported=len(history.rows())))  # --resume continues
@@ -72,13 +77,39 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
             ),
         ),
     )
-    marks = {**(marks or {}), "fit": time.time()}
     listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
                              storage.join(plan.run_dir, "startup.json"))
     listener.start()
     t0 = time.perf_counter()
     try:
-        result = trainer.fit()
+        result = _fit(trainer, listener, events, restarts, config)
+        if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
+            raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
+    except BaseException as e:
+        ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        with suppress(Exception):  # neither may hide why the run ended
+            record_status(plan.run_dir, ended, last_line(e))
+            tracking.finish(config.tracking, plan.run_dir, "KILLED" if ended == "interrupted" else "FAILED")
+        raise
+    best, best_metrics = (None, None) if config.script else _best(result.best_checkpoints or [], config.checkpoint)
+    best_uri = storage.checkpoint_uri(plan.run_dir, best) if best else None
+    tracking.finish(config.tracking, plan.run_dir, "FINISHED", best_uri, best_metrics)
+    record_status(plan.run_dir, "finished")
+    return Result(
+        report=_picture(plan.run_dir, echo),
+        config=config,
+        run_dir=plan.run_dir,
+        metrics=history.rows(),
+        best_checkpoint=best_uri,
+        best_metrics=best_metrics,
+        final_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restarts, config: JobConfig):
+    try:
+        return trainer.fit()
     except ray.train.TrainingFailedError as e:
         raise _explain(e, config) from None
     except (SystemExit, ray.exceptions.RayActorError):
@@ -90,18 +121,17 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
         ray.kill(events.actor)
         if restarts is not None:
             ray.kill(restarts)
-    if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
-        raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
-    best, best_metrics = (None, None) if config.script else _best(result.best_checkpoints or [], config.checkpoint)
-    return Result(
-        config=config,
-        run_dir=plan.run_dir,
-        metrics=history.rows(),
-        best_checkpoint=storage.checkpoint_uri(plan.run_dir, best) if best else None,
-        best_metrics=best_metrics,
-        final_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
-        wall_s=time.perf_counter() - t0,
-    )
+
+
+def _picture(run_dir: str, echo) -> Optional[str]:
+    """RUN_DIR/report.png, the run's curves; a run without matplotlib says how to get them."""
+    from raytrain_app import plots
+
+    try:
+        return plots.write([run_dir], storage.join(run_dir, "report.png"))
+    except UserError as e:
+        echo(f"warning: no report.png: {e}")
+        return None
 
 
 def _best(checkpoints: list, config: CheckpointConfig) -> tuple[Optional[ray.train.Checkpoint], Optional[dict]]:
@@ -243,6 +273,7 @@ class RestartNotices(UserCallback):
         limit = "unlimited" if self.max_failures == -1 else self.max_failures
         self.events.put(("notice", f"{describe_rank(rank, worker_exceptions[rank])}; restarting from "
                                    f"{self.latest or 'the start'} (restart {self.failures} of {limit})"))
+        record_restart(self.run_dir, "restart", describe_rank(rank, worker_exceptions[rank]))
 
 
 class ScriptReports(UserCallback):
@@ -265,6 +296,24 @@ class ScriptReports(UserCallback):
         if checkpoint is not None:
             row["checkpoint"] = storage.checkpoint_uri(self.run_dir, checkpoint)
         self.events.put(("report", row))
+
+
+def record_status(run_dir: str, status: str, reason: str = "") -> None:
+    """RUN_DIR/run.json: whether the run is running (and which process runs it), finished,
+    failed or interrupted, for `raytrain-app runs`; its first start survives resumes."""
+    path = storage.join(run_dir, "run.json")
+    earlier = json.loads(storage.read_text(path)) if storage.exists(path) else {}
+    now = time.time()
+    record = {"status": status, "started": earlier.get("started", now), "updated": now,
+              "host": socket.gethostname(), "pid": os.getpid(), **({"reason": reason} if reason else {})}
+    storage.write_text(path, json.dumps(record) + "\n")
+
+
+def record_restart(run_dir: str, kind: str, reason: str) -> None:
+    """One line in RUN_DIR/restarts.jsonl: `report.png` marks it on the time axis."""
+    path = storage.join(run_dir, "restarts.jsonl")
+    earlier = storage.read_text(path) if storage.exists(path) else ""
+    storage.write_text(path, earlier + json.dumps({"time": time.time(), "kind": kind, "reason": reason}) + "\n")
 
 
 def _nonfinite_message(where: dict, latest) -> str:

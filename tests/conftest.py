@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,6 +50,37 @@ def s3(tmp_path_factory):
     yield store
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback (SQLite store, artifacts served through it); its URI."""
+    import psutil
+    import requests
+
+    from tests.objectstore import free_port
+
+    home = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1", "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
+                             "--artifacts-destination", str(home / "artifacts")],
+                            stdout=open(home / "server.log", "wb"), stderr=subprocess.STDOUT, cwd=home)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if requests.get(f"{uri}/health", timeout=2).ok:
+                break
+        except requests.RequestException:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-2000:]
+        time.sleep(0.5)
+    yield uri
+    server = psutil.Process(proc.pid)  # the server and the web workers it started
+    for p in [*server.children(recursive=True), server]:
+        p.terminate()
+    psutil.wait_procs([server], timeout=30)
 
 
 TUTORIAL_SCRIPT = "tests/scripts/tutorial_ddp.py"

@@ -62,6 +62,25 @@ def test_keeps_the_best_checkpoints_by_the_metric(digits_run):
     assert kept == best_two | {12}  # the best two by the metric, plus the latest
 
 
+def test_a_run_leaves_its_pictures_and_tensorboard_curves(digits_run, tmp_path):
+    run_dir, proc = digits_run
+    png = (run_dir / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1200
+    assert re.search(rf"report +{re.escape(str(run_dir / 'report.png'))}", proc.stdout)  # named at the end
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    accuracy = events.Scalars("epoch/eval_accuracy")
+    assert [(e.step, round(e.value, 5)) for e in accuracy] == [(r["step"], round(r["eval_accuracy"], 5)) for r in rows]
+    assert events.Scalars("startup/total_s")[0].value > 0 and events.Scalars("step/lr")
+
+    compared = cli("report", str(run_dir), str(run_dir), "-o", str(tmp_path / "both.png"))
+    assert compared.returncode == 0 and compared.stdout.strip() == str(tmp_path / "both.png"), compared.stderr
+
+
 def test_console_holds_only_our_lines(digits_run):
     _, proc = digits_run
     assert proc.stderr == ""

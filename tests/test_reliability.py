@@ -30,11 +30,13 @@ def faulty(marker, at, fault, rank=1, **sections):
     return job(model=model, data={"name": "digits"}, **{"train": {"epochs": 2, "batch_size": 32}, **sections})
 
 
-def step_checkpointed(marker, fault):
+def step_checkpointed(marker, fault, **tracking):
     """Step checkpoints every 5 steps: call 40 is epoch 2's 17th batch, after checkpoints at steps 25,
     30 and 35 (epoch 2, batches 2, 7, 12). Ray registers a reported checkpoint asynchronously, so a
-    restart resumes from whichever of them was registered last, always mid-epoch."""
-    return faulty(marker, at=40, fault=fault, checkpoint={"every_steps": 5}, failure={"max_failures": 1})
+    restart resumes from whichever of them was registered last, always mid-epoch. TensorBoard
+    gets a point every step."""
+    return faulty(marker, at=40, fault=fault, checkpoint={"every_steps": 5}, failure={"max_failures": 1},
+                  tracking={"log_every_steps": 1, **tracking})
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +53,11 @@ def resumed_at(log: str) -> tuple[int, int, int, str]:
     return step, epoch, batch, after
 
 
-def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path):
+def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path, mlflow_server):
     marker = tmp_path / "fault"
     marker.touch()
-    killed = run(step_checkpointed(marker, "kill"), tmp_path / "killed")
+    killed = run(step_checkpointed(marker, "kill", mlflow={"tracking_uri": mlflow_server, "experiment": "killed"}),
+                 tmp_path / "killed")
     assert not marker.exists()  # the fault really happened
     step, epoch, batch, _ = resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())
     assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
@@ -63,6 +66,30 @@ def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path
     for name, w in final_weights(straight).items():
         assert torch.equal(final_weights(killed)[name], w), name
     assert killed.metrics[-1]["train_loss"] == pytest.approx(straight.metrics[-1]["train_loss"], rel=1e-12)
+
+    # The trackers show one curve, the uninterrupted run's: TensorBoard purged the failed
+    # attempt's steps past the restored one; the MLflow run (the same one) skipped those it held.
+    curve = tensorboard_curve(straight.run_dir)
+    assert [step for step, _ in curve] == list(range(1, 47))
+    assert tensorboard_curve(killed.run_dir) == curve
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    [tracked] = client.search_runs([client.get_experiment_by_name("killed").experiment_id])
+    assert tracked.info.status == "FINISHED" and tracked.data.tags["best_checkpoint"] == killed.best_checkpoint
+    history = sorted((m.step, m.value) for m in client.get_metric_history(tracked.info.run_id, "step/train_loss"))
+    assert [step for step, _ in history] == list(range(1, 47))
+    assert [value for _, value in history] == pytest.approx([v for _, v in curve], rel=1e-6)  # TensorBoard: float32
+    epochs = client.get_metric_history(tracked.info.run_id, "epoch/eval_accuracy")
+    assert [m.value for m in epochs] == [row["eval_accuracy"] for row in killed.metrics]
+
+
+def tensorboard_curve(run_dir: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("step/train_loss")]
 
 
 def test_resume_after_a_crash_reproduces_the_uninterrupted_run(straight, tmp_path):
