@@ -81,15 +81,19 @@ def job_config(config: Union[str, Path, dict, JobConfig], overrides: Sequence[st
 
 
 def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None):
-    """The trained model, weights loaded and in eval mode, from a checkpoint directory or a run
-    directory (its newest checkpoint); local paths or URIs.
+    """The trained model, weights loaded and in eval mode, from a checkpoint directory, a run
+    directory (its newest checkpoint), or an export (`raytrain-app export`: its model.json, its
+    weights file, or their directory); local paths or URIs.
 
-    The model is rebuilt from the config and input shape saved in the checkpoint; `model` is the
-    builder to use instead of the saved name (needed when training was given a notebook's function).
+    The model is rebuilt from the config and input shape saved in the checkpoint (or model.json);
+    `model` is the builder to use instead of the saved name (needed when training was given a
+    notebook's function).
     """
-    from raytrain_app import checkpoint
+    from raytrain_app import checkpoint, export
     from raytrain_app.models import build_model
 
+    if export.is_export(str(checkpoint_or_run_dir)):
+        return export.load_exported(str(checkpoint_or_run_dir), model)
     directory = checkpoint.find(str(checkpoint_or_run_dir))
     saved = checkpoint.load_state(directory)
     if "input_shape" not in saved:

@@ -178,6 +178,110 @@ def list_(profile_file):
             click.echo(f"{job.submission_id or job.job_id}  {job.status.value:<9}  {job.entrypoint[:60]}")
 
 
+CHECKPOINT = click.option("--checkpoint", "which", default="best", show_default=True, metavar="best|latest|NAME",
+                          help="Which of the run's checkpoints: best by checkpoint.metric, the latest, or a "
+                               "checkpoint_* directory's name.")
+ADDRESS = click.option("--address", help="Run on the cluster at this GCS address (as for train); default: the "
+                                         "cluster train would use.")
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@CHECKPOINT
+@click.option("--data-set", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
+              help="The split to score.")
+@click.option("--workers", type=int, help="Workers (default: the run's); the metrics are exact at any number.")
+@ADDRESS
+@click.option("--verbose", is_flag=True, help="Show Ray's own logs.")
+def evaluate(run_dir, which, data_set, workers, address, verbose):
+    """Score a run's checkpoint with the training loop's exact distributed evaluation; the metrics
+    are printed and written to RUN_DIR/evaluations/CHECKPOINT-SPLIT.json.
+
+    \b
+    Examples:
+      raytrain-app evaluate runs/digits-20261123-101500
+      raytrain-app evaluate runs/digits-20261123-101500 --checkpoint latest --data-set train --workers 4
+    """
+    from raytrain_app import inference
+
+    with _command():
+        metrics = inference.evaluate(run_dir, which, data_set, workers, address, verbose, click.echo)
+        for name, value in metrics.items():
+            click.echo(f"{name:<24} {value:.6g}")
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@click.option("--input", "input_path", required=True, metavar="PARQUET", help="Rows to predict (path or URI), with "
+                                                                           "the feature columns the run trained on.")
+@click.option("--output", required=True, metavar="PARQUET", help="Where the predictions go (path or URI).")
+@CHECKPOINT
+@click.option("--workers", type=int, help="Parallel tasks (default: the run's workers).")
+@click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per forward pass.")
+@ADDRESS
+@click.option("--verbose", is_flag=True, help="Show Ray's own logs.")
+def predict(run_dir, input_path, output, which, workers, batch_size, address, verbose):
+    """Write a run's predictions for a Parquet file, row by row in the input's order: `row` (and
+    the input's `id`), `prediction`, and for classification its `probability`.
+
+    \b
+    Examples:
+      raytrain-app predict runs/digits-20261123-101500 --input new.parquet --output preds.parquet
+      raytrain-app predict s3://bucket/runs/r1 --input s3://bucket/new.parquet --output s3://bucket/preds.parquet --workers 8
+    """
+    from raytrain_app import inference
+
+    with _command():
+        rows = inference.predict(run_dir, input_path, output, which, workers, batch_size, address, verbose,
+                                 click.echo)
+        click.echo(f"{rows} predictions in {output}")
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@click.option("--format", "format_", required=True, type=click.Choice(["safetensors", "pt", "torchscript"]),
+              help="safetensors (needs the [export] extra), a plain state_dict (pt), or a traced TorchScript module.")
+@click.option("-o", "--output", metavar="FILE", help="The weights file (path or URI; a directory gets the format's "
+                                                     "default name). Default: RUN_DIR/export/model.EXT.")
+@click.option("--checkpoint", "which", default="latest", show_default=True, metavar="latest|best|NAME",
+              help="Which of the run's checkpoints.")
+def export(run_dir, format_, output, which):
+    """Write a checkpoint's weights, with a model.json (builder, args, input shape,
+    normalisation), for use without raytrain-app; `raytrain_app.load_model(FILE)` reads it back.
+
+    \b
+    Examples:
+      raytrain-app export runs/digits-20261123-101500 --format safetensors
+      raytrain-app export runs/digits-20261123-101500 --format torchscript --checkpoint best -o lenet.pt
+    """
+    from raytrain_app.export import export as export_
+
+    with _command():
+        done = export_(run_dir, format_, output, which)
+        for note in done.notes:
+            click.echo(f"warning: {note}")
+        click.echo(f"exported {done.checkpoint} to {done.weights} (+ {done.manifest})")
+
+
+@main.command()
+@click.argument("directory", metavar="[DIR]", default="runs", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run, for scripts.")
+def runs(directory, as_json):
+    """List the run directories under DIR (default runs/), newest first: name, start, epochs
+    done, best metric, and status (finished, running, resumable, failed, interrupted).
+
+    \b
+    Examples:
+      raytrain-app runs
+      raytrain-app runs /data/experiments --json
+    """
+    from raytrain_app import runs as runs_
+
+    with _command():
+        found = runs_.find_runs(directory)
+        click.echo(runs_.as_json(found) if as_json else runs_.table(found) if found else f"no runs in {directory}")
+
+
 @main.command("report")
 @click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True)
 @click.option("-o", "--output", help="Where the PNG goes (path or URI). Default: RUN_DIR/report.png for one run, "

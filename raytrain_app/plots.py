@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import posixpath
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -45,11 +44,8 @@ def write(run_dirs: list[str], output: str) -> str:
     """Save `figure(run_dirs)` as a PNG at `output` (a local path or URI); returns where it is."""
     buffer = io.BytesIO()
     figure(run_dirs).savefig(buffer, format="png")
-    fs, path = storage.filesystem_for(output)
     try:
-        fs.create_dir(posixpath.dirname(path), recursive=True)
-        with fs.open_output_stream(path) as f:
-            f.write(buffer.getvalue())
+        storage.write_bytes(output, buffer.getvalue())
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"cannot write {output}: {storage.explain(e)}") from None
     return storage.normalize(output)

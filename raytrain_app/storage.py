@@ -63,6 +63,13 @@ def write_text(path: str, text: str) -> None:
     fs.move(tmp, p)
 
 
+def write_bytes(path: str, data: bytes) -> None:
+    fs, p = filesystem_for(path)
+    fs.create_dir(posixpath.dirname(p), recursive=True)
+    with fs.open_output_stream(p) as f:
+        f.write(data)
+
+
 def read_bytes(path: str) -> bytes:
     fs, p = filesystem_for(path)
     with fs.open_input_stream(p) as f:

@@ -121,6 +121,10 @@ def cases(d):
         # clusters
         ([DIGITS, "--address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
         ([DIGITS, "--address", "no-such-host.invalid:6379"], "cannot reach the Ray cluster"),
+        # trackers (a missing package: test_tracking, in-process)
+        ([DIGITS, "--set", "tracking.mlflow={tracking_uri: 'http://127.0.0.1:9'}"],
+         "tracking.mlflow.tracking_uri http://127.0.0.1:9 does not answer"),
+        ([DIGITS, "--set", "tracking.wandb={project: p}"], "tracking.wandb.mode online needs WANDB_API_KEY"),
         # run directories
         ([DIGITS, "--resume", "--run-dir", str(d / "no-such-run")], "no checkpoint to resume"),
         ([DIGITS, "--run-dir", "/proc/raytrain-run"], "is not writable"),

@@ -6,10 +6,14 @@ import subprocess
 import sys
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 
+from raytrain_app.data.arrays import split
+from raytrain_app.data.parquet import DIGITS_FILE, read_table
 from tests.conftest import REPO
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -79,6 +83,50 @@ def test_a_run_leaves_its_pictures_and_tensorboard_curves(digits_run, tmp_path):
 
     compared = cli("report", str(run_dir), str(run_dir), "-o", str(tmp_path / "both.png"))
     assert compared.returncode == 0 and compared.stdout.strip() == str(tmp_path / "both.png"), compared.stderr
+
+
+def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, tmp_path):
+    run_dir, _ = digits_run
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+    # One worker instead of the run's two: the exact evaluation gives the same numbers.
+    proc = cli("evaluate", str(run_dir), "--checkpoint", "latest", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    [written] = (run_dir / "evaluations").glob("checkpoint_*-eval.json")
+    evaluated = json.loads(written.read_text())
+    assert evaluated["workers"] == 1 and evaluated["metrics"]["eval_accuracy"] == last["eval_accuracy"]
+    assert evaluated["metrics"]["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
+    assert f"eval_accuracy            {last['eval_accuracy']:.6g}" in proc.stdout
+
+    # The eval split as a user's Parquet file (raw pixels, the shape in its metadata), in 4 row groups.
+    x, y = read_table(str(DIGITS_FILE), "image", "label", None)
+    _, _, x_eval, y_eval = split(x, y, 0.2, 0)
+    pixels = x_eval.reshape(len(y_eval), -1).numpy()
+    table = pa.table({"image": pa.FixedSizeListArray.from_arrays(pa.array(pixels.ravel()), pixels.shape[1]),
+                      "id": pa.array([f"digit-{i}" for i in range(len(y_eval))])})
+    pq.write_table(table.replace_schema_metadata({"raytrain.shape": "[1, 8, 8]"}), tmp_path / "new.parquet",
+                   row_group_size=100)
+    proc = cli("predict", str(run_dir), "--checkpoint", "latest", "--input", str(tmp_path / "new.parquet"),
+               "--output", str(tmp_path / "preds.parquet"), "--batch-size", "64")
+    assert proc.returncode == 0, proc.stderr
+    preds = pq.read_table(tmp_path / "preds.parquet")
+    assert preds.column("row").to_pylist() == list(range(len(y_eval)))
+    assert preds.column("id").to_pylist() == table.column("id").to_pylist()
+    correct = (preds.column("prediction").to_numpy() == y_eval.numpy()).mean()
+    assert correct == last["eval_accuracy"]
+    assert all(0.1 <= p <= 1 for p in preds.column("probability").to_pylist())
+
+    # Rows that do not fit the model: one line, exit 2, before Ray starts.
+    pq.write_table(pa.table({"pixels": [[0.0] * 64]}), tmp_path / "wrong.parquet")
+    proc = cli("predict", str(run_dir), "--input", str(tmp_path / "wrong.parquet"), "--output", str(tmp_path / "p"))
+    assert proc.returncode == 2 and "has no column 'image'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_runs_lists_the_run_as_finished(digits_run):
+    run_dir, _ = digits_run
+    proc = cli("runs", str(run_dir.parent), "--json")
+    [listed] = [r for r in json.loads(proc.stdout) if r["name"] == run_dir.name]
+    assert listed["status"] == "finished" and listed["epochs_done"] == 12 and listed["epochs"] == 12
 
 
 def test_console_holds_only_our_lines(digits_run):

@@ -1,0 +1,290 @@
+"""Use a trained checkpoint on the cluster: `evaluate` it again, or `predict` new rows with it.
+
+`evaluate` is the training loop's own exact evaluation (every sample once, sums all-reduced over
+the ranks), run by Ray Train on any number of workers, so its numbers are the ones training
+reported, and a checkpoint can be scored on the train split or with fewer workers than it was
+trained on. `predict` needs no process group: each Ray task streams its share of the input's row
+groups through the model and writes one small Parquet part per row group, which the driver joins
+in row order, so memory stays bounded by a row group whatever the input's size.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import json
+import os
+import posixpath
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from raytrain_app import checkpoint, storage
+from raytrain_app.config import JobConfig, updated
+from raytrain_app.errors import TrainingFailed, UserError, last_line
+
+DATA_SETS = ("eval", "train")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A checkpoint chosen in a run directory, and the config it was trained with (workers as asked)."""
+
+    directory: str
+    job: JobConfig
+
+    @classmethod
+    def find(cls, run_dir: str, which: str, workers: Optional[int]) -> "Loaded":
+        from raytrain_app.export import find_checkpoint
+
+        directory = find_checkpoint(run_dir, which)
+        saved = checkpoint.load_state(directory)
+        if "config" not in saved or saved["config"].get("script"):
+            raise UserError(f"{directory} is not a checkpoint of raytrain-app's training loop")
+        job = JobConfig.from_dict(saved["config"], source=directory)
+        return cls(directory, updated(job, {"scaling": {"workers": workers}}) if workers else job)
+
+
+def evaluate(run_dir: str, checkpoint_name: str = "best", data_set: str = "eval", workers: Optional[int] = None,
+             address: Optional[str] = None, verbose: bool = False, echo: Callable[[str], None] = print) -> dict:
+    """The task's metrics of a run's checkpoint over a whole split, computed as training does;
+    also written to RUN_DIR/evaluations/CHECKPOINT-SPLIT.json."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if data_set not in DATA_SETS:
+        raise UserError(f"--data-set must be one of {', '.join(DATA_SETS)}, got {data_set}")
+    loaded = Loaded.find(run_dir, checkpoint_name, workers)
+    s = loaded.job.scaling
+    run, name = posixpath.split(loaded.directory.rstrip("/"))  # Ray keeps checkpoints in the run directory
+    out = storage.join(run, "evaluations", f"{name}-{data_set}.json")
+    echo(f"evaluating {loaded.directory} on the {data_set} split: {s.workers} workers")
+    with _on_cluster(loaded.job, address, verbose), tempfile.TemporaryDirectory() as scratch:
+        trainer = TorchTrainer(
+            functools.partial(evaluate_per_worker, loaded.job.to_python(), loaded.directory, data_set, out),
+            scaling_config=ray.train.ScalingConfig(num_workers=s.workers, use_gpu=s.gpus_per_worker > 0,
+                                                   resources_per_worker=_resources(loaded.job)),
+            torch_config=TorchConfig(backend=s.backend, timeout_s=s.timeout_s),
+            run_config=ray.train.RunConfig(name="evaluate", storage_path=scratch),
+        )
+        try:
+            trainer.fit()
+        except ray.train.TrainingFailedError as e:
+            from raytrain_app.trainer import _explain
+
+            raise _explain(e, loaded.job) from None
+    return json.loads(storage.read_text(out))["metrics"]
+
+
+def evaluate_per_worker(job_data: dict, directory: str, data_set: str, out: str) -> None:
+    """Every rank evaluates its shard; rank 0 writes the all-reduced metrics to `out` (Train V2
+    keeps reported metrics only beside checkpoints, and this writes none)."""
+    import ray.train
+    import ray.train.torch
+
+    from raytrain_app.data import build_datasets, eval_loader
+    from raytrain_app.loop import Precision, Step, evaluate
+    from raytrain_app.models import build_model
+    from raytrain_app.tasks import build_task, model_outputs
+
+    ctx = ray.train.get_context()
+    device = ray.train.torch.get_device()
+    job = JobConfig.from_dict(job_data)
+    data = build_datasets(job.data)
+    if data_set == "train":  # the train split as evaluation sees it: unaugmented, every sample once
+        data = copy.copy(data)
+        data.eval = copy.copy(data.train)
+        if hasattr(data.eval, "augment"):
+            data.eval.augment = False
+    task = build_task(job.task)
+    model = build_model(job.model, data.input_shape, model_outputs(task, data.train, data.num_classes))
+    model.load_state_dict(checkpoint.load_state(directory)["model"])
+    model.to(device)
+    loader = eval_loader(data, job.train.eval_batch_size, ctx.get_world_rank(), ctx.get_world_size(), 0,
+                         device.type == "cuda")
+    metrics = evaluate(model, loader, Step(model, Precision(job.train.precision, device), device=device, task=task))
+    if ctx.get_world_rank() == 0:
+        storage.write_text(out, json.dumps({"checkpoint": directory, "data_set": data_set, "workers":
+                                            ctx.get_world_size(), "metrics": {f"{data_set}_{k}": v for k, v in
+                                                                               metrics.items()}}, indent=1) + "\n")
+
+
+def predict(run_dir: str, input_path: str, output: str, checkpoint_name: str = "best", workers: Optional[int] = None,
+            batch_size: int = 1024, address: Optional[str] = None, verbose: bool = False,
+            echo: Callable[[str], None] = print) -> int:
+    """Write the model's predictions for every row of a Parquet file to `output`, in the input's
+    order, with the row number (and the input's `id` column, if it has one); returns the row count.
+    Classification: `prediction` (the class) and `probability`; regression: `prediction` (the
+    value, or a list for several targets)."""
+    import pyarrow.parquet as pq
+    import ray
+
+    loaded = Loaded.find(run_dir, checkpoint_name, workers)
+    spec = _input_spec(loaded, input_path)
+    storage.check_writable(posixpath.dirname(storage.normalize(output)) or ".")
+    fs, path = storage.filesystem_for(input_path)
+    groups = pq.ParquetFile(fs.open_input_file(path)).metadata.num_row_groups
+    s = loaded.job.scaling
+    parts = storage.join(posixpath.dirname(storage.normalize(output)) or ".",
+                         f".{posixpath.basename(output)}.parts")
+    echo(f"predicting {input_path} with {loaded.directory}: {groups} row groups over {s.workers} workers")
+    with _on_cluster(loaded.job, address, verbose):
+        mean_std = _normalization(loaded.job)
+        task = ray.remote(predict_row_groups).options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker)
+        try:
+            ray.get([task.remote(loaded.job.to_python(), loaded.directory, input_path, spec, mean_std,
+                                 list(range(rank, groups, s.workers)), parts, batch_size) for rank in range(s.workers)])
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            raise (cause if isinstance(cause, UserError) else TrainingFailed(f"predict failed: {last_line(e)}")) from None
+    return _join(parts, groups, output)
+
+
+def predict_row_groups(job_data: dict, directory: str, input_path: str, spec: "InputSpec", mean_std,
+                       groups: list[int], parts: str, batch_size: int) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from raytrain_app.models import build_model
+
+    job = JobConfig.from_dict(job_data)
+    saved = checkpoint.load_state(directory)
+    model = build_model(job.model, tuple(saved["input_shape"]), saved["num_classes"])
+    model.load_state_dict(saved["model"])
+    model.eval()
+    fs, path = storage.filesystem_for(input_path)
+    source = pq.ParquetFile(fs.open_input_file(path))
+    starts = np.cumsum([0] + [source.metadata.row_group(g).num_rows for g in range(source.metadata.num_row_groups)])
+    keep_id = "id" in source.schema_arrow.names
+    for g in groups:
+        pieces, row = [], int(starts[g])
+        for batch in source.iter_batches(batch_size=batch_size, row_groups=[g], columns=spec.columns + ["id"] * keep_id):
+            x = spec.decode(batch, input_path)
+            if mean_std is not None:
+                x = (x - mean_std[0]) / mean_std[1]
+            with torch.no_grad():
+                out = model(x)
+            piece = {"row": pa.array(np.arange(row, row + batch.num_rows))}
+            if keep_id:
+                piece["id"] = batch.column("id")
+            if job.task.name == "classification":
+                probability, label = torch.softmax(out.float(), dim=1).max(dim=1)
+                piece.update(prediction=pa.array(label.numpy()), probability=pa.array(probability.numpy()))
+            else:
+                values = out.float().numpy()
+                piece["prediction"] = pa.array(values[:, 0] if values.shape[1] == 1 else list(values))
+            pieces.append(pa.table(piece))
+            row += batch.num_rows
+        buffer = io.BytesIO()
+        pq.write_table(pa.concat_tables(pieces), buffer)
+        storage.write_bytes(storage.join(parts, f"{g:06d}.parquet"), buffer.getvalue())
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """How a row of the input becomes the model's input, as training read its data: the feature
+    column(s), reshaped to the stored shape, resized as `data.args.resize` did."""
+
+    features: Union[str, tuple[str, ...]]
+    shape: tuple[int, ...]
+    resize: int
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.features] if isinstance(self.features, str) else list(self.features)
+
+    def decode(self, batch, input_path: str):
+        import numpy as np
+        import torch
+
+        from raytrain_app.data.arrays import _resize
+        from raytrain_app.data.parquet import _column_matrix, _scalar_column
+
+        if isinstance(self.features, str):
+            x = _column_matrix(batch.column(self.features), input_path, self.features)
+        else:
+            x = np.stack([_scalar_column(batch.column(c), input_path, c) for c in self.features], axis=1)
+        if x.shape[1] != int(np.prod(self.shape)):
+            raise UserError(f"--input {input_path}: {x.shape[1]} values per row, but the model was trained on "
+                            f"samples shaped {list(self.shape)} (a file may store its shape as raytrain.shape metadata)")
+        x = torch.from_numpy(np.array(x, dtype=np.float32)).reshape(len(x), *self.shape)
+        return _resize(x, self.resize) if self.resize else x
+
+
+def _input_spec(loaded: Loaded, input_path: str) -> InputSpec:
+    """The input's columns and shapes checked against the model's, on its first row, before Ray starts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    job = loaded.job
+    if job.task.name not in ("classification", "regression"):
+        raise UserError(f"predict writes classification and regression outputs; this run's task is {job.task.name}")
+    if not storage.exists(input_path):
+        raise UserError(f"--input {input_path} does not exist")
+    fs, path = storage.filesystem_for(input_path)
+    try:
+        source = pq.ParquetFile(fs.open_input_file(path))
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"--input {input_path} is not a readable Parquet file: {storage.explain(e)}") from None
+    features = job.data.args.get("features", "image")
+    names = source.schema_arrow.names
+    missing = [c for c in ([features] if isinstance(features, str) else features) if c not in names]
+    if missing:
+        raise UserError(f"--input {input_path} has no column '{missing[0]}', which the model was trained on "
+                        f"(columns: {', '.join(names)})")
+    input_shape = tuple(checkpoint.load_state(loaded.directory)["input_shape"])
+    stored = (source.schema_arrow.metadata or {}).get(b"raytrain.shape")
+    shape = job.data.args.get("shape") or (json.loads(stored) if stored else input_shape)
+    spec = InputSpec(features if isinstance(features, str) else tuple(features), tuple(shape),
+                     job.data.args.get("resize", 0))
+    sample = tuple(spec.decode(next(source.iter_batches(batch_size=1, columns=spec.columns)), input_path).shape[1:])
+    if sample != input_shape:
+        raise UserError(f"--input {input_path}: rows become samples shaped {list(sample)}, but the model takes "
+                        f"{list(input_shape)}")
+    return spec
+
+
+def _normalization(job: JobConfig):
+    """The training split's mean and std, as training normalised inputs (None where it did not)."""
+    from raytrain_app.data import build_datasets
+    from raytrain_app.data.arrays import ArrayDataset
+
+    train = build_datasets(job.data).train
+    return (train.mean.float().cpu(), train.std.float().cpu()) if isinstance(train, ArrayDataset) else None
+
+
+def _join(parts: str, groups: int, output: str) -> int:
+    """The parts, in row-group order, into one Parquet file, one part in memory at a time."""
+    import pyarrow.parquet as pq
+
+    fs, path = storage.filesystem_for(output)
+    parts_fs, parts_path = storage.filesystem_for(parts)
+    rows, writer = 0, None
+    with fs.open_output_stream(path) as f:
+        for g in range(groups):
+            table = pq.read_table(posixpath.join(parts_path, f"{g:06d}.parquet"), filesystem=parts_fs)
+            writer = writer or pq.ParquetWriter(f, table.schema)
+            writer.write_table(table)
+            rows += table.num_rows
+        if writer:
+            writer.close()
+    parts_fs.delete_dir(parts_path)
+    return rows
+
+
+def _resources(job: JobConfig) -> dict:
+    s = job.scaling
+    return {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
+
+
+def _on_cluster(job: JobConfig, address: Optional[str], verbose: bool):
+    """The cluster `train` would use for these workers (see session.choose_cluster)."""
+    from raytrain_app.session import choose_cluster, ray_session
+
+    s = job.scaling
+    log_dir = os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}", "inference-logs")
+    return ray_session(choose_cluster(address, s.workers, s.cpus_per_worker, s.gpus_per_worker),
+                       max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999)), log_dir, verbose)

@@ -1,0 +1,167 @@
+"""`raytrain-app runs`: which of the runs under a directory are worth resuming or comparing,
+without opening their files.
+
+A run's files say what happened only in pieces: metrics.jsonl how far it got, config.yaml how far
+it was meant to go and which metric ranks it, the checkpoint snapshot whether `--resume` has
+something to start from, run.json how it ended. And a run whose process was killed never wrote
+that it ended: run.json still says "running", so whether it is running is asked of the process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import psutil
+import yaml
+
+from raytrain_app import storage
+from raytrain_app.configfile import loads
+from raytrain_app.errors import UserError
+from raytrain_app.plan import CHECKPOINT_SNAPSHOT
+
+# A process that wrote "running" existed before it wrote it; one created later under the same
+# pid is another process. The slack covers the clock's granularity, not a real delay.
+CREATE_TIME_SLACK_S = 1.0
+_DEFAULT_DIR = re.compile(r"-(\d{8}-\d{6})$")  # runs/NAME-YYYYmmdd-HHMMSS, as `train` names them
+COLUMNS = ("NAME", "START", "EPOCHS", "BEST", "STATUS")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    path: str  # the run directory, a local path or URI
+    name: str  # the directory's name, for `train --run-dir DIR/NAME --resume` and `report DIR/NAME`
+    started: Optional[float]  # Unix seconds: run.json's first start, else the time in a default run name
+    epochs_done: int  # the highest epoch in metrics.jsonl; a script's runs without epochs: its reports
+    epochs: Optional[int]  # planned (train.epochs); None for a script, which plans its own
+    best: str  # "eval_accuracy 0.9712 (epoch 11)" by checkpoint.metric and mode, or "-"
+    status: str  # finished, running, running on HOST, resumable, failed, interrupted or unknown
+
+
+def find_runs(directory: str = "runs") -> list[RunInfo]:
+    """The runs directly under `directory`, newest first; folders without config.yaml are no runs."""
+    if not storage.exists(directory):
+        raise UserError(f"no such directory: {directory}")
+    base = storage.normalize(directory)
+    found = [(run, _mtime(storage.join(run.path, "config.yaml")))
+             for name in storage.subdirectories(base) if (run := _read_run(base, name)) is not None]
+    found.sort(key=lambda run_mtime: run_mtime[0].started or run_mtime[1], reverse=True)
+    return [run for run, _ in found]
+
+
+def _read_run(base: str, name: str) -> Optional[RunInfo]:
+    """One run directory's summary, or None when it holds no run (no config.yaml that parses)."""
+    path = storage.join(base, name)
+    config = _read_config(storage.join(path, "config.yaml"))
+    if config is None:
+        return None
+    record = _read_json(storage.join(path, "run.json"))
+    rows = _read_rows(storage.join(path, "metrics.jsonl"))
+    script = bool(config.get("script"))
+    epochs = None if script else config.get("train", {}).get("epochs")
+    epochs_done = max((row["epoch"] for row in rows if "epoch" in row), default=len(rows) if script else 0)
+    snapshot = storage.exists(storage.join(path, CHECKPOINT_SNAPSHOT))
+    return RunInfo(
+        path=path, name=name, started=record.get("started", _started_from_name(name)),
+        epochs_done=epochs_done, epochs=epochs,
+        best="-" if script else _best(rows, config.get("checkpoint", {})),
+        status=_status(record, epochs_done, epochs, snapshot),
+    )
+
+
+def table(runs: list[RunInfo]) -> str:
+    """Aligned columns, one line per run under a header."""
+    lines = [COLUMNS, *((run.name, _when(run.started), _epochs(run), run.best, run.status) for run in runs)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS) - 1)]
+    return "\n".join("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]) for line in lines)
+
+
+def as_json(runs: list[RunInfo]) -> str:
+    return json.dumps([asdict(run) for run in runs], indent=2)
+
+
+def _status(record: dict, epochs_done: int, epochs: Optional[int], snapshot: bool) -> str:
+    """finished as recorded; running while the recording process lives (on another host: "running
+    on HOST", unchecked); else resumable with a checkpoint and epochs to go, failed or interrupted
+    without. A run from before run.json finished if it did all its epochs; a script's says nothing."""
+    recorded = record.get("status")
+    if recorded == "finished":
+        return "finished"
+    if recorded == "running":
+        if record.get("host") != socket.gethostname():
+            return f"running on {record.get('host')}"  # another machine's process: not ours to ask
+        if _alive(record.get("pid"), record.get("updated", record.get("started", 0.0))):
+            return "running"
+    if recorded is None and epochs is None:
+        return "unknown"  # an older script's run: its checkpoints stay whether it ended well or not
+    if recorded is None and epochs_done >= epochs:
+        return "finished"  # an older run, from before run.json: it got as far as it meant to
+    if snapshot and (epochs is None or epochs_done < epochs):
+        return "resumable"
+    return recorded if recorded in ("failed", "interrupted") else "failed"  # "running" here: it died
+
+
+def _alive(pid: Optional[int], written: float) -> bool:
+    """The process that wrote "running" at `written` is still there (not a later one reusing its pid)."""
+    if not pid or not psutil.pid_exists(pid):
+        return False
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() <= written + CREATE_TIME_SLACK_S and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _best(rows: list[dict], checkpoint: dict) -> str:
+    """The best epoch by the metric that ranks checkpoints (as config.yaml resolved it)."""
+    metric, mode = checkpoint.get("metric"), checkpoint.get("mode")
+    scored = [row for row in rows if "epoch" in row and isinstance(row.get(metric), (int, float))
+              and math.isfinite(row[metric])]
+    if not scored:
+        return "-"
+    best = (max if mode == "max" else min)(scored, key=lambda row: row[metric])
+    return f"{metric} {best[metric]:.4f} (epoch {best['epoch']})"
+
+
+def _read_config(path: str) -> Optional[dict]:
+    if not storage.exists(path):
+        return None
+    try:
+        config = loads(storage.read_text(path))
+    except yaml.YAMLError:
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _read_json(path: str) -> dict:
+    return json.loads(storage.read_text(path)) if storage.exists(path) else {}
+
+
+def _read_rows(path: str) -> list[dict]:
+    if not storage.exists(path):
+        return []
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+
+
+def _started_from_name(name: str) -> Optional[float]:
+    found = _DEFAULT_DIR.search(name)
+    return time.mktime(time.strptime(found.group(1), "%Y%m%d-%H%M%S")) if found else None
+
+
+def _mtime(path: str) -> float:
+    fs, p = storage.filesystem_for(path)
+    mtime = fs.get_file_info(p).mtime
+    return mtime.timestamp() if mtime else 0.0
+
+
+def _when(started: Optional[float]) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(started)) if started is not None else "-"
+
+
+def _epochs(run: RunInfo) -> str:
+    return f"{run.epochs_done}/{run.epochs}" if run.epochs is not None else str(run.epochs_done)

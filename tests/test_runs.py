@@ -1,0 +1,206 @@
+"""`raytrain-app runs`: real run directories as the driver leaves them, read in process (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import psutil
+import pytest
+
+from raytrain_app import runs
+from raytrain_app.config import JobConfig, dump_yaml
+from raytrain_app.errors import UserError
+from raytrain_app.plan import CHECKPOINT_SNAPSHOT
+
+NOW = time.time()
+
+
+def make_run(root, name: str, epochs: int = 5, done: int = 5, record: Optional[dict] = None,
+             snapshot: bool = False, checkpoint: Optional[dict] = None, accuracy: Optional[list] = None):
+    """A run directory: config.yaml as `train` writes it (resolved), one metrics row per finished
+    epoch, run.json when `record` is given, and Ray's checkpoint snapshot when `snapshot`."""
+    path = root / name
+    path.mkdir()
+    ranking = checkpoint or {"metric": "eval_accuracy", "mode": "max"}
+    config = JobConfig.from_dict({"name": name.split("-")[0], "train": {"epochs": epochs}, "checkpoint": ranking})
+    (path / "config.yaml").write_text(dump_yaml(config))
+    accuracy = accuracy or [0.5 + 0.05 * epoch for epoch in range(1, done + 1)]
+    rows = [{"epoch": epoch, "step": 10 * epoch, "train_loss": 1.0 / epoch, "eval_loss": 1.1 / epoch,
+             "eval_accuracy": accuracy[epoch - 1], "time": NOW - 100 + epoch} for epoch in range(1, done + 1)]
+    if rows:
+        (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if record is not None:
+        (path / "run.json").write_text(json.dumps(record) + "\n")
+    if snapshot:
+        (path / CHECKPOINT_SNAPSHOT).write_text(json.dumps({"checkpoints": [f"checkpoint_{done}"]}))
+    return path
+
+
+def record(status: str, pid: Optional[int] = None, started: float = NOW - 60, updated: Optional[float] = None,
+           host: Optional[str] = None, reason: str = "") -> dict:
+    return {"status": status, "started": started, "updated": NOW - 30 if updated is None else updated,
+            "host": host or socket.gethostname(), "pid": pid or os.getpid(), **({"reason": reason} if reason else {})}
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def only(root) -> runs.RunInfo:
+    found = runs.find_runs(str(root))
+    assert len(found) == 1
+    return found[0]
+
+
+def test_finished_run(tmp_path):
+    make_run(tmp_path, "digits-20260101-120000", epochs=3, done=3, record=record("finished"), snapshot=True)
+    run = only(tmp_path)
+    assert (run.name, run.epochs_done, run.epochs, run.status) == ("digits-20260101-120000", 3, 3, "finished")
+    assert run.started == NOW - 60  # run.json's, not the directory name's
+    assert run.path == str(tmp_path / "digits-20260101-120000")
+
+
+def test_running_with_a_live_process(tmp_path):
+    # written by this very process, after it started
+    make_run(tmp_path, "live", done=2, record=record("running", pid=os.getpid(), updated=time.time() - 1))
+    assert only(tmp_path).status == "running"
+
+
+def test_running_on_another_host_is_not_checked_here(tmp_path):
+    make_run(tmp_path, "elsewhere", done=2, record=record("running", pid=dead_pid(), host="gpu-node-7"))
+    assert only(tmp_path).status == "running on gpu-node-7"
+
+
+@pytest.mark.parametrize("pid, updated", [
+    (None, None),  # the process that wrote "running" is gone
+    ("self", psutil.Process().create_time() - 60),  # its pid now belongs to a later process: this one
+], ids=["dead pid", "reused pid"])
+def test_running_whose_process_died_is_resumable_with_a_checkpoint(tmp_path, pid, updated):
+    pid = os.getpid() if pid == "self" else dead_pid()
+    make_run(tmp_path, "killed", epochs=5, done=2, snapshot=True,
+             record=record("running", pid=pid, started=(updated or NOW) - 10, updated=updated))
+    run = only(tmp_path)
+    assert (run.epochs_done, run.epochs, run.status) == (2, 5, "resumable")
+
+
+def test_running_whose_process_is_a_zombie_is_not_running(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; unreaped, it stays a zombie
+    try:
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        make_run(tmp_path, "zombie", done=2, snapshot=True,
+                 record=record("running", pid=child.pid, updated=time.time()))
+        assert only(tmp_path).status == "resumable"
+    finally:
+        child.wait()
+
+
+def test_running_whose_process_died_without_a_checkpoint_failed(tmp_path):
+    make_run(tmp_path, "killed", epochs=5, done=0, record=record("running", pid=dead_pid()))
+    assert only(tmp_path).status == "failed"
+
+
+@pytest.mark.parametrize("status, snapshot, done, expected", [
+    ("failed", False, 2, "failed"),
+    ("failed", True, 2, "resumable"),
+    ("failed", True, 5, "failed"),  # every epoch done: nothing left to resume
+    ("interrupted", False, 2, "interrupted"),
+    ("interrupted", True, 2, "resumable"),
+])
+def test_ended_runs(tmp_path, status, snapshot, done, expected):
+    make_run(tmp_path, "ended", epochs=5, done=done, snapshot=snapshot, record=record(status, reason="boom"))
+    assert only(tmp_path).status == expected
+
+
+@pytest.mark.parametrize("done, snapshot, expected", [
+    (4, False, "finished"), (2, True, "resumable"), (2, False, "failed"),
+])
+def test_older_runs_without_run_json_are_inferred(tmp_path, done, snapshot, expected):
+    make_run(tmp_path, "digits-20250102-030405", epochs=4, done=done, snapshot=snapshot)
+    run = only(tmp_path)
+    assert run.status == expected
+    assert run.started == time.mktime((2025, 1, 2, 3, 4, 5, 0, 0, -1))  # from the run's default name
+
+
+def test_folders_that_are_no_runs_are_skipped(tmp_path):
+    make_run(tmp_path, "real", record=record("finished"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "metrics-only").mkdir()
+    (tmp_path / "metrics-only" / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    (tmp_path / "README.txt").write_text("not a directory")
+    assert [run.name for run in runs.find_runs(str(tmp_path))] == ["real"]
+
+
+def test_best_follows_the_checkpoint_metric_and_mode(tmp_path):
+    make_run(tmp_path, "acc", done=4, accuracy=[0.6, 0.9712, 0.8, 0.7], record=record("finished"))
+    loss = make_run(tmp_path, "loss", done=4, checkpoint={"metric": "eval_loss", "mode": "min"},
+                    record=record("finished", started=NOW - 120))
+    rows = [json.loads(line) for line in (loss / "metrics.jsonl").read_text().splitlines()]
+    rows[0]["eval_loss"] = float("nan")  # a diverged epoch (train.stop_on_nonfinite: false) is no best
+    (loss / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    best = {run.name: run.best for run in runs.find_runs(str(tmp_path))}
+    assert best == {"acc": "eval_accuracy 0.9712 (epoch 2)", "loss": "eval_loss 0.2750 (epoch 4)"}
+
+
+def test_a_run_without_epochs_has_no_best(tmp_path):
+    make_run(tmp_path, "early", done=0, record=record("failed"))
+    run = only(tmp_path)
+    assert (run.best, run.epochs_done, run.status) == ("-", 0, "failed")
+
+
+@pytest.mark.parametrize("status, expected", [("interrupted", "resumable"), (None, "unknown")])
+def test_script_runs_count_reports_and_plan_no_epochs(tmp_path, status, expected):
+    path = tmp_path / "script-run"
+    path.mkdir()
+    (path / "config.yaml").write_text(dump_yaml(JobConfig.from_dict({"name": "s", "script": {"path": "t.py"}})))
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"report": i, "loss": 1.0 / i}) + "\n" for i in (1, 2, 3)))
+    if status:
+        (path / "run.json").write_text(json.dumps(record(status)))
+    (path / CHECKPOINT_SNAPSHOT).write_text("{}")  # an older script's run keeps it whether it finished or not
+    run = only(tmp_path)
+    assert (run.epochs_done, run.epochs, run.best, run.status) == (3, None, "-", expected)
+    header, line = runs.table([run]).splitlines()
+    assert line[header.index("EPOCHS"):].split()[0] == "3"  # no plan to show
+
+
+def test_newest_first_by_start_else_modification_time(tmp_path):
+    make_run(tmp_path, "old", record=record("finished", started=NOW - 3600))
+    make_run(tmp_path, "new", record=record("finished", started=NOW - 60))
+    undated = make_run(tmp_path, "undated")  # no run.json, no time in its name: config.yaml's mtime
+    os.utime(undated / "config.yaml", (NOW - 600, NOW - 600))
+    assert [run.name for run in runs.find_runs(str(tmp_path))] == ["new", "undated", "old"]
+
+
+def test_table_has_a_header_and_one_aligned_row_per_run(tmp_path):
+    started = time.mktime((2026, 3, 4, 5, 6, 7, 0, 0, -1))
+    make_run(tmp_path, "a-much-longer-run-name", epochs=10, done=3, snapshot=True,
+             record=record("failed", started=started))
+    make_run(tmp_path, "short", epochs=3, done=3, record=record("finished", started=started - 60))
+    lines = runs.table(runs.find_runs(str(tmp_path))).splitlines()
+    assert lines[0].split() == ["NAME", "START", "EPOCHS", "BEST", "STATUS"]
+    assert len(lines) == 3
+    assert lines[1].split()[:4] == ["a-much-longer-run-name", "2026-03-04", "05:06", "3/10"]
+    assert lines[1].endswith("resumable") and lines[2].endswith("finished")
+    for column in ("START", "EPOCHS", "BEST", "STATUS"):
+        at = lines[0].index(column)
+        assert all(line[at - 2:at] == "  " and line[at] != " " for line in lines[1:]), column
+
+
+def test_json_lists_every_field(tmp_path):
+    make_run(tmp_path, "digits", epochs=3, done=3, record=record("finished"))
+    [row] = json.loads(runs.as_json(runs.find_runs(str(tmp_path))))
+    assert row == {"path": str(tmp_path / "digits"), "name": "digits", "started": NOW - 60, "epochs_done": 3,
+                   "epochs": 3, "best": "eval_accuracy 0.6500 (epoch 3)", "status": "finished"}
+
+
+def test_a_missing_directory_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="no such directory: .*nowhere"):
+        runs.find_runs(str(tmp_path / "nowhere"))
