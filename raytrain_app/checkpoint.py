@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import posixpath
 import sys
@@ -100,6 +101,69 @@ def load_into(directory: str, state: TrainState, rank: int, device: torch.device
     rank_file = os.path.join(directory, f"rank{rank}.pt")
     if os.path.exists(rank_file):  # a rank that did not exist when it was written keeps its fresh seed
         state.load_rank_state_dict(torch.load(rank_file, weights_only=True), device)
+
+
+def choose(path: str, which: str = "latest") -> str:
+    """The checkpoint directory `which` names in the run directory `path` ("latest", "best" or a
+    checkpoint_* name), or `path` itself when it is a checkpoint and `which` is "latest"."""
+    if not storage.exists(path):
+        raise UserError(f"{path} does not exist: name a run directory or one of its checkpoint_* directories")
+    if which == "latest":
+        return find(path)
+    if storage.exists(storage.join(path, STATE_FILE)):
+        raise UserError(f"--checkpoint {which}: {path} is a checkpoint already; name its run directory instead")
+    names = [name for name in storage.subdirectories(path) if name.startswith("checkpoint_")]
+    if not names:
+        raise UserError(f"no checkpoint in {path}: name a run directory or one of its checkpoint_* directories")
+    if which == "best":
+        return storage.join(path, _best(path, names))
+    if which not in names:
+        raise UserError(f"--checkpoint: {path} has no {which} (latest, best, or one of {', '.join(names)})")
+    return storage.join(path, which)
+
+
+def _best(run_dir: str, names: list[str]) -> str:
+    """The epoch-end checkpoint with the best checkpoint.metric, as `fit` reports it.
+
+    Ray keeps the scores in its own private snapshot; the run's metrics.jsonl has them per epoch,
+    and each checkpoint's state.pt says which epoch it ended. Mid-epoch checkpoints never count,
+    as in training.
+    """
+    from raytrain_app.config import JobConfig
+    from raytrain_app.plan import resolve_auto
+
+    log = storage.join(run_dir, "metrics.jsonl")
+    if not storage.exists(log):
+        raise UserError(f"--checkpoint best: {run_dir} has no metrics.jsonl to rank its checkpoints by")
+    rows = [json.loads(line) for line in storage.read_text(log).splitlines() if line.strip()]
+    by_epoch = {row["epoch"]: row for row in rows if "epoch" in row}
+    states = {name: loop_state(storage.join(run_dir, name)) for name in names}
+    latest = states[names[-1]]
+    rank = resolve_auto(JobConfig.from_dict(latest["config"], source=names[-1])).checkpoint
+    scored = [(by_epoch[s["epoch"]][rank.metric], name) for name, s in states.items()
+              if not s["batch"] and rank.metric in by_epoch.get(s["epoch"], {})]
+    if not scored:
+        raise UserError(f"--checkpoint best: no checkpoint of {run_dir} has a {rank.metric} in its metrics.jsonl")
+    pick = max if rank.mode == "max" else min
+    return pick(scored, key=lambda score_name: score_name[0])[1]
+
+
+def loop_state(directory: str) -> dict:
+    """Rank 0's state (memory-mapped where local: ranking checkpoints reads no weights), or a
+    one-line reason it is no use: a script's checkpoints hold the script's own files, and a
+    checkpoint from before input shapes were recorded cannot rebuild its model."""
+    try:
+        if "://" in directory:
+            saved = load_state(directory)
+        else:
+            saved = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu",
+                               weights_only=True, mmap=True)
+    except Exception as e:  # a missing or torn state.pt; weights_only refuses code
+        raise UserError(f"{directory} holds no readable {STATE_FILE} ({type(e).__name__}): only the checkpoints "
+                        f"of raytrain-app's own training loop can be used here") from None
+    if "input_shape" not in saved:
+        raise UserError(f"{directory} was written by an older raytrain-app that did not record the model's inputs")
+    return saved
 
 
 def _older_than(latest) -> list:

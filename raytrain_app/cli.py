@@ -21,7 +21,14 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="raytrain-app")
 def main() -> None:
-    """Data-parallel PyTorch training on Ray clusters."""
+    """Data-parallel PyTorch training on Ray clusters.
+
+    \b
+    Examples:
+      raytrain-app train examples/digits.yaml
+      raytrain-app submit job.yaml --cluster cluster/gpu.yaml --nodes 2 --gpus-per-node 4
+      raytrain-app runs
+    """
 
 
 MAX_FAILURES = click.option("--max-failures", type=int, help="Restart the worker group this often before the "
@@ -50,7 +57,14 @@ def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides
     """Train CONFIG (a YAML file, or - for standard input) on Ray.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
-    arguments after --."""
+    arguments after --.
+
+    \b
+    Examples:
+      raytrain-app train examples/digits.yaml --workers 2
+      raytrain-app train examples/digits.yaml --run-dir s3://bucket/runs/d1 --set optimizer.lr=0.05
+      raytrain-app train train.py --workers 4 --max-failures 2 -- --epochs 3
+    """
     from raytrain_app.api import fit
 
     sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as on the workers
@@ -68,7 +82,7 @@ def _failures(max_failures):
     return [] if max_failures is None else [f"failure.max_failures={max_failures}"]
 
 
-PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROFILE",
+PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROFILE", type=click.Path(dir_okay=False),
                        help="A cluster profile, e.g. cluster/local.yaml.")
 
 
@@ -93,7 +107,14 @@ def submit(config_file, script_args, profile_file, nodes, gpus_per_node, cpus_pe
     """Submit CONFIG as a Ray job to the cluster described by PROFILE.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
-    arguments after --; it travels in the profile's working_dir, or its own folder."""
+    arguments after --; it travels in the profile's working_dir, or its own folder.
+
+    \b
+    Examples:
+      raytrain-app submit examples/digits.yaml --cluster cluster/local.yaml --dry-run
+      raytrain-app submit job.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
+      raytrain-app submit train.py --cluster cluster/aws-gpu.yaml --no-wait -- --lr 0.1
+    """
     from raytrain_app.api import job_config
     from raytrain_app.console import summary_table
     from raytrain_app.dashboard import Dashboard
@@ -116,6 +137,7 @@ def submit(config_file, script_args, profile_file, nodes, gpus_per_node, cpus_pe
         job_id = jobs.submit(sub, dashboard)
         click.echo(f"submitted {job_id} to {profile.jobs_address} ({sub.config.scaling.workers} workers); "
                    f"run directory {sub.run_dir}")
+        click.echo(f"dashboard: {profile.jobs_address}/#/jobs/{job_id}")
         if follow:
             status = jobs.follow(dashboard, job_id, lambda chunk: click.echo(chunk, nl=False))
             click.echo(f"job {job_id} {status.lower()}")
@@ -127,7 +149,13 @@ def submit(config_file, script_args, profile_file, nodes, gpus_per_node, cpus_pe
 @click.argument("job_id")
 @PROFILE
 def status(job_id, profile_file):
-    """Show a job's status."""
+    """Show a job's status.
+
+    \b
+    Examples:
+      raytrain-app status digits-20261123-101500-1a2b --cluster cluster/local.yaml
+      raytrain-app status JOB_ID --cluster cluster/aws-gpu.yaml
+    """
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
@@ -141,7 +169,13 @@ def status(job_id, profile_file):
 @PROFILE
 @click.option("--follow", is_flag=True, help="Keep streaming until the job ends.")
 def logs(job_id, profile_file, follow):
-    """Print a job's logs."""
+    """Print a job's logs.
+
+    \b
+    Examples:
+      raytrain-app logs JOB_ID --cluster cluster/local.yaml
+      raytrain-app logs JOB_ID --cluster cluster/local.yaml --follow
+    """
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
@@ -158,7 +192,13 @@ def logs(job_id, profile_file, follow):
 @click.argument("job_id")
 @PROFILE
 def stop(job_id, profile_file):
-    """Stop a running job and wait for it to end."""
+    """Stop a running job and wait for it to end.
+
+    \b
+    Examples:
+      raytrain-app stop JOB_ID --cluster cluster/local.yaml
+      raytrain-app list --cluster cluster/local.yaml --status running
+    """
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
@@ -168,14 +208,26 @@ def stop(job_id, profile_file):
 
 @main.command("list")
 @PROFILE
-def list_(profile_file):
-    """List the cluster's jobs."""
+@click.option("--status", "statuses", multiple=True, metavar="STATUS",
+              type=click.Choice(["PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"], case_sensitive=False),
+              help="Only jobs in this state; repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per job, with its user and config hash.")
+def list_(profile_file, statuses, as_json):
+    """List the cluster's jobs, oldest first: ID, NAME, STATUS, START, DURATION, WORKERS, RUN DIR.
+
+    \b
+    Examples:
+      raytrain-app list --cluster cluster/local.yaml
+      raytrain-app list --cluster cluster/aws-gpu.yaml --status running --json
+    """
+    import json
+
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
     with _command():
-        for job in jobs.list_jobs(Dashboard.for_profile(_profile(profile_file))):
-            click.echo(f"{job.submission_id or job.job_id}  {job.status.value:<9}  {job.entrypoint[:60]}")
+        rows = [jobs.job_row(j) for j in jobs.list_jobs(Dashboard.for_profile(_profile(profile_file)), statuses)]
+        click.echo(json.dumps(rows, indent=1) if as_json else jobs.jobs_table(rows))
 
 
 CHECKPOINT = click.option("--checkpoint", "which", default="best", show_default=True, metavar="best|latest|NAME",
@@ -186,7 +238,7 @@ ADDRESS = click.option("--address", help="Run on the cluster at this GCS address
 
 
 @main.command()
-@click.argument("run_dir", metavar="RUN_DIR")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
 @CHECKPOINT
 @click.option("--data-set", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
               help="The split to score.")
@@ -211,7 +263,7 @@ def evaluate(run_dir, which, data_set, workers, address, verbose):
 
 
 @main.command()
-@click.argument("run_dir", metavar="RUN_DIR")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
 @click.option("--input", "input_path", required=True, metavar="PARQUET", help="Rows to predict (path or URI), with "
                                                                            "the feature columns the run trained on.")
 @click.option("--output", required=True, metavar="PARQUET", help="Where the predictions go (path or URI).")
@@ -238,7 +290,7 @@ def predict(run_dir, input_path, output, which, workers, batch_size, address, ve
 
 
 @main.command()
-@click.argument("run_dir", metavar="RUN_DIR")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
 @click.option("--format", "format_", required=True, type=click.Choice(["safetensors", "pt", "torchscript"]),
               help="safetensors (needs the [export] extra), a plain state_dict (pt), or a traced TorchScript module.")
 @click.option("-o", "--output", metavar="FILE", help="The weights file (path or URI; a directory gets the format's "
@@ -283,7 +335,7 @@ def runs(directory, as_json):
 
 
 @main.command("report")
-@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True)
+@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path())
 @click.option("-o", "--output", help="Where the PNG goes (path or URI). Default: RUN_DIR/report.png for one run, "
                                      "report.png here for several.")
 def report_(run_dirs, output):
@@ -310,7 +362,13 @@ def config_():
 
 @config_.command("schema")
 def config_schema():
-    """Print the job config's JSON Schema (for editors' YAML completion and checks)."""
+    """Print the job config's JSON Schema (for editors' YAML completion and checks).
+
+    \b
+    Examples:
+      raytrain-app config schema > raytrain-job.schema.json
+      # then in a job file: # yaml-language-server: $schema=raytrain-job.schema.json
+    """
     import json
 
     from raytrain_app.config import JobConfig
@@ -324,7 +382,13 @@ def config_schema():
 @click.option("--workers", type=int, help="Training workers (overrides scaling.workers).")
 @click.option("--gpus-per-worker", type=float, help="GPUs per worker (overrides scaling.gpus_per_worker).")
 def config_show(config_file, overrides, workers, gpus_per_worker):
-    """Print CONFIG resolved: every default filled in, every `auto` decided."""
+    """Print CONFIG resolved: every default filled in, every `auto` decided.
+
+    \b
+    Examples:
+      raytrain-app config show examples/digits.yaml
+      raytrain-app config show job.yaml --gpus-per-worker 1
+    """
     from raytrain_app.config import dump_yaml, load_config
     from raytrain_app.plan import resolve_auto
 
@@ -340,9 +404,15 @@ def cluster():
 
 
 @cluster.command("up")
-@click.argument("profile_file", metavar="PROFILE")
+@click.argument("profile_file", metavar="PROFILE", type=click.Path(dir_okay=False))
 def cluster_up(profile_file):
-    """Start the profile's cluster (local nodes, or Ray's launcher)."""
+    """Start the profile's cluster (local nodes, or Ray's launcher).
+
+    \b
+    Examples:
+      raytrain-app cluster up cluster/local.yaml
+      raytrain-app cluster up cluster/aws-gpu.yaml
+    """
     from raytrain_app.localnodes import cluster_up
 
     with _command():
@@ -350,9 +420,15 @@ def cluster_up(profile_file):
 
 
 @cluster.command("down")
-@click.argument("profile_file", metavar="PROFILE")
+@click.argument("profile_file", metavar="PROFILE", type=click.Path(dir_okay=False))
 def cluster_down(profile_file):
-    """Stop exactly the nodes `cluster up` started."""
+    """Stop exactly the nodes `cluster up` started.
+
+    \b
+    Examples:
+      raytrain-app cluster down cluster/local.yaml
+      raytrain-app cluster down cluster/aws-gpu.yaml
+    """
     from raytrain_app.localnodes import cluster_down
 
     with _command():
@@ -360,25 +436,37 @@ def cluster_down(profile_file):
 
 
 @cluster.command("status")
-@click.argument("profile_file", metavar="PROFILE")
+@click.argument("profile_file", metavar="PROFILE", type=click.Path(dir_okay=False))
 def cluster_status(profile_file):
-    """Show the cluster's nodes, CPUs, GPUs and running jobs."""
+    """Show the cluster's nodes, their free and total CPUs and GPUs, and the running jobs.
+
+    \b
+    Examples:
+      raytrain-app cluster status cluster/local.yaml
+      raytrain-app cluster status cluster/aws-gpu.yaml
+    """
     from raytrain_app import jobs
     from raytrain_app.dashboard import Dashboard
 
     with _command():
         profile = _profile(profile_file)
         dashboard = Dashboard.for_profile(profile)
-        nodes = dashboard.alive_nodes()
+        nodes, free = dashboard.alive_nodes(), dashboard.free()
+
+        def available(kind: str, nodes) -> str:
+            known = [free[n.node_id].get(kind, 0.0) for n in nodes if n.node_id in free]
+            return f"{sum(known):g}" if len(known) == len(nodes) else "?"
+
         click.echo(f"cluster '{profile.name}' at {profile.jobs_address}: {len(nodes)} nodes, "
-                   f"{sum(n.cpus for n in nodes):g} CPUs, {sum(n.gpus for n in nodes):g} GPUs")
+                   f"{available('CPU', nodes)}/{sum(n.cpus for n in nodes):g} CPUs free, "
+                   f"{available('GPU', nodes)}/{sum(n.gpus for n in nodes):g} GPUs free")
         for n in nodes:
-            click.echo(f"  node {n.node_id[:12]}  {n.ip:<15} {'head' if n.is_head else 'worker'}  "
-                       f"{n.cpus:g} CPUs  {n.gpus:g} GPUs")
-        running = [j for j in jobs.list_jobs(dashboard) if j.status.value in ("PENDING", "RUNNING")]
+            click.echo(f"  node {n.node_id[:12]}  {n.ip:<15} {'head' if n.is_head else 'worker':<6}  "
+                       f"{available('CPU', [n])}/{n.cpus:g} CPUs free  {available('GPU', [n])}/{n.gpus:g} GPUs free")
+        running = [jobs.job_row(j) for j in jobs.list_jobs(dashboard, ("PENDING", "RUNNING"))]
         click.echo(f"running jobs: {len(running)}")
-        for job in running:
-            click.echo(f"  {job.submission_id}  {job.status.value}")
+        if running:
+            click.echo(jobs.jobs_table(running))
 
 
 def _profile(path: str):
@@ -434,7 +522,7 @@ def _keep_traceback(kind, error, tb) -> str:
 def run() -> None:
     """The console script: click's own usage errors become one line too, like every user error."""
     try:
-        code = main(standalone_mode=False)
+        code = main(prog_name="raytrain-app", standalone_mode=False)
     except click.UsageError as e:
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(EXIT_USAGE)

@@ -6,6 +6,7 @@ Everything here goes through Ray's own HTTP endpoints (`/api/version`, the state
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import requests
@@ -14,6 +15,11 @@ from raytrain_app.capacity import Node
 from raytrain_app.console import route_ray_logs
 from raytrain_app.errors import UserError
 from raytrain_app.profiles import ClusterProfile
+
+
+# A line of `ray status`'s per-node usage: "1.0/2.0 CPU (1.0 used of 2.0 reserved in placement groups)"
+_USAGE = re.compile(r"^(?P<used>[\d.]+)/(?P<total>[\d.]+) (?P<name>CPU|GPU)"
+                    r"(?: \((?P<pg_used>[\d.]+) used of (?P<reserved>[\d.]+) reserved)?", re.M)
 
 
 class Dashboard:
@@ -47,6 +53,21 @@ class Dashboard:
         return [Node(n["node_id"], n.get("node_ip", "?"), n["state"] == "ALIVE", bool(n.get("is_head_node")),
                      n.get("resources_total", {}).get("CPU", 0.0), n.get("resources_total", {}).get("GPU", 0.0))
                 for n in rows]
+
+    def free(self) -> dict[str, dict[str, float]]:
+        """CPUs and GPUs per node id that no task or actor uses and no placement group reserves
+        (Ray Train reserves its workers' share in one). Ray's HTTP API has them only as the
+        lines `ray status` prints, so they are read from those; a node missing here is unknown."""
+        data = self.get("/nodes?view=summary").get("data", {})
+        lines = data.get("nodeLogicalResources") or data.get("node_logical_resources") or {}
+        free = {}
+        for node_id, text in lines.items():
+            for m in _USAGE.finditer(text):
+                used, total = float(m["used"]), float(m["total"])
+                if m["reserved"]:  # `used` counts what runs in placement groups, not what they hold
+                    used += float(m["reserved"]) - float(m["pg_used"])
+                free.setdefault(node_id, {})[m["name"]] = max(total - used, 0.0)
+        return free
 
     def alive_nodes(self) -> list[Node]:
         return [n for n in self.nodes() if n.alive]

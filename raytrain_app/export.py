@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
-from raytrain_app import checkpoint, storage
+from raytrain_app import storage
+from raytrain_app.checkpoint import choose, loop_state
 from raytrain_app.errors import UserError
 
 MANIFEST = "model.json"
@@ -57,8 +58,8 @@ def export(run_dir_or_checkpoint: str, format: str, output: Optional[str] = None
         raise UserError(f"--format: unknown format '{format}' (choose from {', '.join(FILE_NAMES)})")
     if format == "safetensors":
         _safetensors()  # before any work: a missing package is the first thing to hear about
-    source = find_checkpoint(storage.normalize(str(run_dir_or_checkpoint)), checkpoint)
-    saved = _saved_state(source)
+    source = choose(storage.normalize(str(run_dir_or_checkpoint)), checkpoint)
+    saved = loop_state(source)
     weights = _weights_path(source, None if output is None else str(output), format)
     manifest_path = storage.join(_parent(weights), MANIFEST)
     storage.check_writable(_parent(weights))  # before tracing or reading data, not after
@@ -70,69 +71,6 @@ def export(run_dir_or_checkpoint: str, format: str, output: Optional[str] = None
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"cannot write {weights}: {storage.explain(e)}") from None
     return Exported(source, weights, manifest_path, notes)
-
-
-def find_checkpoint(path: str, which: str = "latest") -> str:
-    """The checkpoint directory `which` names in the run directory `path` ("latest", "best" or a
-    checkpoint_* name), or `path` itself when it is a checkpoint and `which` is "latest"."""
-    if not storage.exists(path):
-        raise UserError(f"{path} does not exist: name a run directory or one of its checkpoint_* directories")
-    if which == "latest":
-        return checkpoint.find(path)
-    if storage.exists(storage.join(path, checkpoint.STATE_FILE)):
-        raise UserError(f"--checkpoint {which}: {path} is a checkpoint already; name its run directory instead")
-    names = [name for name in storage.subdirectories(path) if name.startswith("checkpoint_")]
-    if not names:
-        raise UserError(f"no checkpoint in {path}: name a run directory or one of its checkpoint_* directories")
-    if which == "best":
-        return storage.join(path, _best(path, names))
-    if which not in names:
-        raise UserError(f"--checkpoint: {path} has no {which} (latest, best, or one of {', '.join(names)})")
-    return storage.join(path, which)
-
-
-def _best(run_dir: str, names: list[str]) -> str:
-    """The epoch-end checkpoint with the best checkpoint.metric, as `fit` reports it.
-
-    Ray keeps the scores in its own private snapshot; the run's metrics.jsonl has them per epoch,
-    and each checkpoint's state.pt says which epoch it ended. Mid-epoch checkpoints never count,
-    as in training.
-    """
-    from raytrain_app.config import JobConfig
-    from raytrain_app.plan import resolve_auto
-
-    log = storage.join(run_dir, "metrics.jsonl")
-    if not storage.exists(log):
-        raise UserError(f"--checkpoint best: {run_dir} has no metrics.jsonl to rank its checkpoints by")
-    rows = [json.loads(line) for line in storage.read_text(log).splitlines() if line.strip()]
-    by_epoch = {row["epoch"]: row for row in rows if "epoch" in row}
-    states = {name: _saved_state(storage.join(run_dir, name)) for name in names}
-    latest = states[names[-1]]
-    rank = resolve_auto(JobConfig.from_dict(latest["config"], source=names[-1])).checkpoint
-    scored = [(by_epoch[s["epoch"]][rank.metric], name) for name, s in states.items()
-              if not s["batch"] and rank.metric in by_epoch.get(s["epoch"], {})]
-    if not scored:
-        raise UserError(f"--checkpoint best: no checkpoint of {run_dir} has a {rank.metric} in its metrics.jsonl")
-    pick = max if rank.mode == "max" else min
-    return pick(scored, key=lambda score_name: score_name[0])[1]
-
-
-def _saved_state(directory: str) -> dict:
-    """Rank 0's state (memory-mapped where local: ranking checkpoints reads no weights), or a
-    one-line reason it is no use: a script's checkpoints hold the script's own files, and a
-    checkpoint from before input shapes were recorded cannot rebuild its model."""
-    try:
-        if "://" in directory:
-            saved = checkpoint.load_state(directory)
-        else:
-            saved = torch.load(os.path.join(directory, checkpoint.STATE_FILE), map_location="cpu",
-                               weights_only=True, mmap=True)
-    except Exception as e:  # a missing or torn state.pt; weights_only refuses code
-        raise UserError(f"{directory} holds no readable {checkpoint.STATE_FILE} ({type(e).__name__}): export "
-                        f"reads the checkpoints of raytrain-app's own training loop") from None
-    if "input_shape" not in saved:
-        raise UserError(f"{directory} was written by an older raytrain-app that did not record the model's inputs")
-    return saved
 
 
 def _weights_path(source: str, output: Optional[str], format: str) -> str:
@@ -190,16 +128,15 @@ def _normalization(config: dict) -> tuple[Optional[dict], tuple[str, ...]]:
     where it cannot be built here (then a note says why).
     """
     from raytrain_app.config import JobConfig
-    from raytrain_app.data import build_datasets
-    from raytrain_app.data.arrays import ArrayDataset
+    from raytrain_app.data import normalization
 
     try:
-        train = build_datasets(JobConfig.from_dict(config).data).train
+        stats = normalization(JobConfig.from_dict(config).data)
     except UserError as e:
         return None, (f"normalisation not recorded: the training data cannot be built here ({e.lines[0]})",)
-    if not isinstance(train, ArrayDataset):
+    if stats is None:
         return None, ()
-    mean, std = train.mean.float().cpu(), train.std.float().cpu()
+    mean, std = stats
     return {"mean": mean.flatten().tolist(), "std": std.flatten().tolist(), "shape": list(mean.shape)}, ()
 
 

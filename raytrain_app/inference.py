@@ -36,13 +36,8 @@ class Loaded:
 
     @classmethod
     def find(cls, run_dir: str, which: str, workers: Optional[int]) -> "Loaded":
-        from raytrain_app.export import find_checkpoint
-
-        directory = find_checkpoint(run_dir, which)
-        saved = checkpoint.load_state(directory)
-        if "config" not in saved or saved["config"].get("script"):
-            raise UserError(f"{directory} is not a checkpoint of raytrain-app's training loop")
-        job = JobConfig.from_dict(saved["config"], source=directory)
+        directory = checkpoint.choose(storage.normalize(run_dir), which)
+        job = JobConfig.from_dict(checkpoint.loop_state(directory)["config"], source=directory)
         return cls(directory, updated(job, {"scaling": {"workers": workers}}) if workers else job)
 
 
@@ -50,12 +45,12 @@ def evaluate(run_dir: str, checkpoint_name: str = "best", data_set: str = "eval"
              address: Optional[str] = None, verbose: bool = False, echo: Callable[[str], None] = print) -> dict:
     """The task's metrics of a run's checkpoint over a whole split, computed as training does;
     also written to RUN_DIR/evaluations/CHECKPOINT-SPLIT.json."""
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     if data_set not in DATA_SETS:
         raise UserError(f"--data-set must be one of {', '.join(DATA_SETS)}, got {data_set}")
     loaded = Loaded.find(run_dir, checkpoint_name, workers)
+    import ray.train  # after the checks: a wrong directory is reported without loading Ray
+    from ray.train.torch import TorchConfig, TorchTrainer
+
     s = loaded.job.scaling
     run, name = posixpath.split(loaded.directory.rstrip("/"))  # Ray keeps checkpoints in the run directory
     out = storage.join(run, "evaluations", f"{name}-{data_set}.json")
@@ -120,6 +115,8 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: str = "
     import pyarrow.parquet as pq
     import ray
 
+    from raytrain_app.data import normalization
+
     loaded = Loaded.find(run_dir, checkpoint_name, workers)
     spec = _input_spec(loaded, input_path)
     storage.check_writable(posixpath.dirname(storage.normalize(output)) or ".")
@@ -130,7 +127,7 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: str = "
                          f".{posixpath.basename(output)}.parts")
     echo(f"predicting {input_path} with {loaded.directory}: {groups} row groups over {s.workers} workers")
     with _on_cluster(loaded.job, address, verbose):
-        mean_std = _normalization(loaded.job)
+        mean_std = normalization(loaded.job.data)
         task = ray.remote(predict_row_groups).options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker)
         try:
             ray.get([task.remote(loaded.job.to_python(), loaded.directory, input_path, spec, mean_std,
@@ -200,18 +197,15 @@ class InputSpec:
         import numpy as np
         import torch
 
-        from raytrain_app.data.arrays import _resize
-        from raytrain_app.data.parquet import _column_matrix, _scalar_column
+        from raytrain_app.data.arrays import resize_images
+        from raytrain_app.data.parquet import feature_matrix
 
-        if isinstance(self.features, str):
-            x = _column_matrix(batch.column(self.features), input_path, self.features)
-        else:
-            x = np.stack([_scalar_column(batch.column(c), input_path, c) for c in self.features], axis=1)
+        x = feature_matrix(batch, self.features if isinstance(self.features, str) else list(self.features), input_path)
         if x.shape[1] != int(np.prod(self.shape)):
             raise UserError(f"--input {input_path}: {x.shape[1]} values per row, but the model was trained on "
                             f"samples shaped {list(self.shape)} (a file may store its shape as raytrain.shape metadata)")
         x = torch.from_numpy(np.array(x, dtype=np.float32)).reshape(len(x), *self.shape)
-        return _resize(x, self.resize) if self.resize else x
+        return resize_images(x, self.resize) if self.resize else x
 
 
 def _input_spec(loaded: Loaded, input_path: str) -> InputSpec:
@@ -245,15 +239,6 @@ def _input_spec(loaded: Loaded, input_path: str) -> InputSpec:
         raise UserError(f"--input {input_path}: rows become samples shaped {list(sample)}, but the model takes "
                         f"{list(input_shape)}")
     return spec
-
-
-def _normalization(job: JobConfig):
-    """The training split's mean and std, as training normalised inputs (None where it did not)."""
-    from raytrain_app.data import build_datasets
-    from raytrain_app.data.arrays import ArrayDataset
-
-    train = build_datasets(job.data).train
-    return (train.mean.float().cpu(), train.std.float().cpu()) if isinstance(train, ArrayDataset) else None
 
 
 def _join(parts: str, groups: int, output: str) -> int:

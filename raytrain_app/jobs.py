@@ -8,6 +8,8 @@ see the same submission id.
 from __future__ import annotations
 
 import asyncio
+import getpass
+import hashlib
 import json
 import os
 import shlex
@@ -18,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
-from raytrain_app import storage
+from raytrain_app import storage, tracking
 from raytrain_app.capacity import check_shape_fits
 from raytrain_app.config import JobConfig, dump_yaml, updated
 from raytrain_app.dashboard import Dashboard
@@ -111,6 +113,9 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
                           profile.source)
     submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     run_dir = storage.join(storage.normalize(profile.storage), submission_id)
+    if check_builders and not config.script:  # an MLflow server may answer only inside the cluster's network
+        tracking.check(config.tracking, run_dir, profile.connect_timeout_s, {**os.environ, **profile.job_env_vars()},
+                       packages=False)
     runtime_env = {
         **({"working_dir": working_dir, "excludes": profile.runtime_env.excludes} if working_dir else {}),
         **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
@@ -165,10 +170,19 @@ def check_cluster_can_run(sub: Submission, dashboard: Dashboard) -> None:
     storage.check_writable(sub.run_dir)
 
 
+def metadata(sub: Submission) -> dict[str, str]:
+    """What `list` shows of a job, attached to it at submission (Ray keeps it with the job)."""
+    s = sub.config.scaling
+    shape = f"{sub.nodes}x{sub.workers_per_node} {'GPU' if s.gpus_per_worker else 'CPU'}"
+    return {"raytrain.name": sub.config.name, "raytrain.run_dir": sub.run_dir, "raytrain.workers": shape,
+            "raytrain.config_sha256": hashlib.sha256(dump_yaml(sub.config).encode()).hexdigest()[:12],
+            "raytrain.user": getpass.getuser()}
+
+
 def submit(sub: Submission, dashboard: Dashboard) -> str:
     try:
         return dashboard.jobs().submit_job(entrypoint=sub.entrypoint, submission_id=sub.submission_id,
-                                           runtime_env=sub.runtime_env)
+                                           runtime_env=sub.runtime_env, metadata=metadata(sub))
     except (ValueError, RuntimeError) as e:  # Ray refuses the runtime_env, or the cluster refuses the job
         raise UserError(f"cannot submit to {dashboard.address}: {last_line(e)}") from None
 
@@ -220,5 +234,36 @@ def stop(dashboard: Dashboard, job_id: str, timeout_s: float = 60) -> str:
     return wait(dashboard, job_id, timeout_s)
 
 
-def list_jobs(dashboard: Dashboard) -> list:
-    return sorted(dashboard.jobs().list_jobs(), key=lambda j: j.start_time or 0)
+def list_jobs(dashboard: Dashboard, statuses: Sequence[str] = ()) -> list:
+    """The cluster's jobs, oldest first; only those in `statuses` when given."""
+    wanted = {s.upper() for s in statuses}
+    return sorted((j for j in dashboard.jobs().list_jobs() if not wanted or str(j.status.value) in wanted),
+                  key=lambda j: j.start_time or 0)
+
+
+JOB_COLUMNS = ("ID", "NAME", "STATUS", "START", "DURATION", "WORKERS", "RUN DIR")
+
+
+def job_row(job) -> dict:
+    """A job as `list` shows it; jobs not submitted by raytrain-app show their entrypoint."""
+    meta = job.metadata or {}
+    start, end = (t / 1000 if t else None for t in (job.start_time, job.end_time))
+    return {"id": job.submission_id or job.job_id, "name": meta.get("raytrain.name", job.entrypoint[:30]),
+            "status": str(job.status.value), "start": start, "duration_s": ((end or time.time()) - start) if start else None,
+            "workers": meta.get("raytrain.workers", "-"), "run_dir": meta.get("raytrain.run_dir", "-"),
+            "user": meta.get("raytrain.user"), "config_sha256": meta.get("raytrain.config_sha256")}
+
+
+def jobs_table(rows: list[dict]) -> str:
+    cells = [JOB_COLUMNS] + [(r["id"], r["name"], r["status"],
+                              time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start"])) if r["start"] else "-",
+                              _duration(r["duration_s"]), r["workers"], r["run_dir"]) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(JOB_COLUMNS) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]) for row in cells)
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"

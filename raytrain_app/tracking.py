@@ -30,16 +30,20 @@ TRACKING_FILE = "tracking.json"
 EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}
 
 
-def check(config: TrackingConfig, run_dir: str, timeout_s: float = 10.0) -> None:
-    """On the driver before Ray starts: the trackers' packages import and an MLflow server answers."""
+def check(config: TrackingConfig, run_dir: str, timeout_s: float = 10.0, env: Optional[dict] = None,
+          packages: bool = True) -> None:
+    """Before Ray starts: the trackers' packages import, an MLflow server answers, and online W&B
+    has its key in `env` (this process's environment; for `submit`, with the profile's env_vars,
+    and without the package check: the cluster, not this machine, needs them)."""
+    env = os.environ if env is None else env
     for name, package in EXTRAS.items():
-        if getattr(config, name) is not None:
+        if packages and getattr(config, name) is not None:
             try:
                 __import__(package)
             except ImportError:
                 raise UserError(f"tracking.{name} needs the {package} package: pip install 'raytrain-app[{name}]'")
     if config.mlflow is not None:
-        uri = mlflow_uri(config.mlflow, run_dir)
+        uri = mlflow_uri(config.mlflow, run_dir, env)
         if uri.startswith(("http://", "https://")):
             import requests
 
@@ -47,13 +51,13 @@ def check(config: TrackingConfig, run_dir: str, timeout_s: float = 10.0) -> None
                 requests.get(uri.rstrip("/") + "/health", timeout=timeout_s).raise_for_status()
             except requests.RequestException as e:
                 raise UserError(f"tracking.mlflow.tracking_uri {uri} does not answer: {type(e).__name__}") from None
-    if config.wandb is not None and config.wandb.mode == "online" and not os.environ.get("WANDB_API_KEY"):
+    if config.wandb is not None and config.wandb.mode == "online" and not env.get("WANDB_API_KEY"):
         raise UserError("tracking.wandb.mode online needs WANDB_API_KEY in the environment (or the profile's "
                         "runtime_env.env_vars); mode: offline needs none")
 
 
-def mlflow_uri(config: MlflowConfig, run_dir: str) -> str:
-    uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+def mlflow_uri(config: MlflowConfig, run_dir: str, env: Optional[dict] = None) -> str:
+    uri = config.tracking_uri or (os.environ if env is None else env).get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
     if not storage.is_local(run_dir):

@@ -295,6 +295,7 @@ class ScriptReports(UserCallback):
             row[key] = values[0] if mixed else sum(numbers) / len(numbers)
         if checkpoint is not None:
             row["checkpoint"] = storage.checkpoint_uri(self.run_dir, checkpoint)
+        row["time"] = time.time()  # for report.png's time axis, as the loop's epoch rows have
         self.events.put(("report", row))
 
 

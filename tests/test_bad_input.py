@@ -207,3 +207,16 @@ def test_fuzzed_yaml_text_raises_only_config_errors(tmp_path, text):
     path.write_text(text)
     with contextlib.suppress(ConfigError):  # anything else fails the test
         load_config(path)
+
+
+@pytest.mark.parametrize("command", [["evaluate"], ["predict", "--input", "in.parquet", "--output", "out.parquet"],
+                                     ["export", "--format", "pt"], ["report"]])
+def test_using_a_directory_that_holds_no_run_is_one_line(tmp_path, command):
+    (tmp_path / "not-a-run").mkdir()
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", command[0], str(tmp_path / "not-a-run"),
+                           *command[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{tmp_path / 'not-a-run'}" in proc.stderr and ("no checkpoint in" in proc.stderr or
+                                                          "no metrics.jsonl" in proc.stderr), proc.stderr
+    assert time.monotonic() - start < CASE_LIMIT_S

@@ -1,6 +1,7 @@
 """The `raytrain-app` command as a user runs it: a real process, its exit code and its console."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -120,6 +121,8 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, tmp_path)
     pq.write_table(pa.table({"pixels": [[0.0] * 64]}), tmp_path / "wrong.parquet")
     proc = cli("predict", str(run_dir), "--input", str(tmp_path / "wrong.parquet"), "--output", str(tmp_path / "p"))
     assert proc.returncode == 2 and "has no column 'image'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    proc = cli("predict", str(run_dir), "--input", str(tmp_path / "new.parquet"), "--output", "/proc/preds.parquet")
+    assert proc.returncode == 2 and "is not writable" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_runs_lists_the_run_as_finished(digits_run):
@@ -196,3 +199,42 @@ def test_an_unexpected_error_is_one_line_and_keeps_its_traceback(capsys):
     assert found, err
     kept = open(found.group(1)).read()
     assert kept.startswith("Traceback (most recent call last)") and "KeyError: 'no such key'" in kept
+
+
+def leaf_commands(group, path=()):
+    import click
+
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from leaf_commands(command, (*path, name))
+        else:
+            yield (*path, name)
+
+
+def test_every_commands_help_ends_with_two_or_three_examples():
+    from click.testing import CliRunner
+
+    from raytrain_app.cli import main
+
+    commands = list(leaf_commands(main))
+    assert len(commands) == 16
+    for command in commands:
+        text = CliRunner().invoke(main, [*command, "--help"]).output
+        body, _, options = text.partition("\nOptions:")
+        examples = body.rstrip().split("Examples:")[-1].strip().splitlines()
+        assert "Examples:" in body and 2 <= len(examples) <= 3, (command, body)
+        assert all(e.strip().startswith(("raytrain-app ", "#")) for e in examples), (command, examples)
+
+
+def test_shell_completion_completes_commands_and_paths():
+    env = {**os.environ, "_RAYTRAIN_APP_COMPLETE": "bash_complete"}
+
+    def complete(words: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli"], capture_output=True, text=True, cwd=REPO,
+                              env={**env, "COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1)})
+        return proc.stdout.splitlines()
+
+    assert "plain,evaluate" in complete("raytrain-app ev")
+    assert complete("raytrain-app submit job.yaml --cluster clu") == ["file,clu"]  # the shell lists files
+    assert complete("raytrain-app report run") == ["file,run"]
+    assert complete("raytrain-app runs ru") == ["dir,ru"]

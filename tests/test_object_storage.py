@@ -74,9 +74,10 @@ def straight(s3, ray_cluster, tmp_path_factory):
 def test_a_run_lands_in_the_bucket_with_uris_shown(s3, straight):
     keys = s3.keys(f"{PREFIX}/straight/")
     for name in ("config.yaml", "metrics.jsonl", "checkpoint_manager_snapshot.json",
-                 "logs/rank-0.log", "logs/rank-1.log"):
+                 "logs/rank-0.log", "logs/rank-1.log", "report.png", "run.json"):
         assert f"{PREFIX}/straight/{name}" in keys, name
     assert any(re.search(r"/checkpoint_[^/]+/state\.pt$", k) for k in keys)
+    assert any(re.search(r"/tensorboard/events\.out\.tfevents\.", k) for k in keys)  # uploaded by rank 0
     assert [row["epoch"] for row in metrics(s3, "straight")] == [1, 2]
     for uri in (straight.best_checkpoint, straight.final_checkpoint):
         assert uri.startswith(f"s3://{s3.bucket}/{PREFIX}/straight/checkpoint_")

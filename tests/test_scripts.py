@@ -68,6 +68,7 @@ def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environmen
     assert seen[0]["env"]["MASTER_PORT"] == seen[1]["env"]["MASTER_PORT"]
     assert "Traceback" in (logs / "rank-1.log").read_text()  # the whole story stays in the rank's log
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row.pop("time") > 0 for row in rows] == [True]
     assert rows == [{"report": 1, "rank_value": 0.5, "name": "rank 0"}]  # numbers averaged, others rank 0's
 
 

@@ -97,7 +97,8 @@ def test_cluster_status_shows_both_nodes(two_nodes):
     profile_file, _ = two_nodes
     proc = cli("cluster", "status", profile_file)
     assert proc.returncode == 0, proc.stderr
-    assert "2 nodes, 2 CPUs, 0 GPUs" in proc.stdout and "head" in proc.stdout and "worker" in proc.stdout
+    assert "2 nodes, 2/2 CPUs free, 0/0 GPUs free" in proc.stdout  # idle
+    assert re.search(r"head +1/1 CPUs free", proc.stdout) and re.search(r"worker +1/1 CPUs free", proc.stdout)
 
 
 def ray_cli(profile, *args):
@@ -113,7 +114,9 @@ def submit_long_job(profile_file) -> str:
     proc = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--set", "train.epochs=500", "--no-wait",
                "--skip-checks")
     assert proc.returncode == 0, proc.stderr
-    return re.search(r"submitted (\S+)", proc.stdout).group(1)
+    job_id = re.search(r"submitted (\S+)", proc.stdout).group(1)
+    assert re.search(rf"^dashboard: http://127\.0\.0\.1:\d+/#/jobs/{job_id}$", proc.stdout, re.M)
+    return job_id
 
 
 def wait_for_log(job_id, profile_file, pattern) -> None:
@@ -131,7 +134,13 @@ def test_status_logs_and_stop_on_a_long_job(two_nodes):
     assert code == 0 and re.search(r"epoch +1/500", said)
     assert cli("status", job_id, "--cluster", profile_file).stdout.startswith(f"{job_id}: RUNNING")
     listed = cli("list", "--cluster", profile_file).stdout
-    assert re.search(rf"{job_id}\s+RUNNING", listed)
+    assert listed.split()[:7] == ["ID", "NAME", "STATUS", "START", "DURATION", "WORKERS", "RUN"]
+    assert re.search(rf"{job_id} +digits +RUNNING +\d{{4}}-\d\d-\d\d \d\d:\d\d +\d+m\d\ds +2x1 CPU +\S+/{job_id}",
+                     listed)
+    [row] = json.loads(cli("list", "--cluster", profile_file, "--status", "running", "--json").stdout)
+    assert row["id"] == job_id and row["user"] and len(row["config_sha256"]) == 12
+    status = cli("cluster", "status", profile_file).stdout  # the job's workers hold both nodes' CPUs
+    assert "2 nodes, 0/2 CPUs free" in status and re.search(rf"^{job_id} +digits +RUNNING", status, re.M)
     assert running_local_cluster(1, 1, 0) is None  # `train` does not join a cluster that runs a job
 
     # A second job starts and waits for the workers' CPUs; Ray's own `ray job stop` stops it.
@@ -250,14 +259,23 @@ def test_bad_profiles_are_one_line_errors(tmp_path, fields, message):
 
 def test_dry_run_shows_the_plan_and_masks_secrets(tmp_path):
     profile = write_profile(tmp_path / "p.yaml", nodes=2, gpus_per_node=4,
-                            runtime_env={"env_vars": {"WANDB_API_KEY": "hunter2", "NCCL_DEBUG": "INFO"}})
-    proc = cli("submit", "examples/digits.yaml", "--cluster", profile, "--dry-run", timeout=60)
+                            runtime_env={"env_vars": {"WANDB_API_KEY": "hunter2", "MLFLOW_TRACKING_PASSWORD": "pw2",
+                                                      "NCCL_DEBUG": "INFO"}})
+    # Online W&B needs its key: the profile gives it to the job (this machine has none).
+    proc = cli("submit", "examples/digits.yaml", "--cluster", profile, "--dry-run", "--set",
+               "tracking.wandb={project: p}", timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "8 = 2 nodes x 4 per node" in out and "1 CPU, 1 GPU" in out and "nccl, bf16" in out
     assert "SPREAD" in out and "train - --address auto" in out and str(tmp_path / "storage") in out
     assert "hunter2" not in out and '"WANDB_API_KEY": "****"' in out and '"NCCL_DEBUG": "INFO"' in out
+    assert "pw2" not in out and '"MLFLOW_TRACKING_PASSWORD": "****"' in out
     assert not os.path.exists(tmp_path / "storage")  # nothing submitted, nothing written
+
+    unreachable = cli("submit", "examples/digits.yaml", "--cluster", profile, "--dry-run", "--set",
+                      "tracking.mlflow={tracking_uri: 'http://127.0.0.1:9'}", timeout=60)
+    assert unreachable.returncode == 2 and unreachable.stderr.strip() == \
+        "error: tracking.mlflow.tracking_uri http://127.0.0.1:9 does not answer: ConnectionError"
 
 
 PROJECT_MODELS = '''

@@ -68,6 +68,14 @@ def build_datasets(config: DataConfig) -> Datasets:
     return Datasets(train, eval_, shape, _num_classes(train, eval_))
 
 
+def normalization(config: DataConfig) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The training split's per-channel mean and std, which training normalised inputs with
+    (export records them, predict applies them); None where inputs are not normalised (token
+    ids, a user's own dataset). Builds the datasets: checkpoints do not hold these."""
+    train = build_datasets(config).train
+    return (train.mean.float().cpu(), train.std.float().cpu()) if isinstance(train, ArrayDataset) else None
+
+
 def _num_classes(*datasets: Dataset) -> int:
     """Known labels for array datasets; otherwise the dataset may declare `num_classes`."""
     declared = getattr(datasets[0], "num_classes", None)

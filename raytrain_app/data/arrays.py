@@ -100,7 +100,7 @@ def make_pair(
     if len(y_train) == 0 or len(y_eval) == 0:
         raise UserError(f"dataset is empty: {len(y_train)} training and {len(y_eval)} eval samples")
     if resize:
-        x_train, x_eval = _resize(x_train, resize), _resize(x_eval, resize)
+        x_train, x_eval = resize_images(x_train, resize), resize_images(x_eval, resize)
     dims = [0] + list(range(2, x_train.dim())) if x_train.dim() > 2 else [0]
     sample = x_train[: 50_000].float()
     mean = sample.mean(dim=dims, keepdim=True)[0]
@@ -118,7 +118,7 @@ def split(x: torch.Tensor, y: torch.Tensor, eval_fraction: float, seed: int):
     return x[tr], y[tr], x[ev], y[ev]
 
 
-def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+def resize_images(x: torch.Tensor, size: int) -> torch.Tensor:
     if x.dim() != 4:
         raise UserError(f"data.args.resize needs images shaped (C, H, W), got samples shaped {tuple(x.shape[1:])}")
     return F.interpolate(x.float(), size=(size, size), mode="bilinear", align_corners=False)

@@ -69,10 +69,7 @@ def read_table(path: str, features: Union[str, list], label: str, shape: Optiona
 
     y = _labels(table.column(label).combine_chunks(), path, label)
 
-    if isinstance(features, str):
-        x = _column_matrix(table.column(features).combine_chunks(), path, features)
-    else:
-        x = np.stack([_scalar_column(table.column(c).combine_chunks(), path, c) for c in columns], axis=1)
+    x = feature_matrix(table, features, path)
     stored = (schema.metadata or {}).get(b"raytrain.shape")
     shape = shape or (json.loads(stored) if stored else [x.shape[1]])
     if int(np.prod(shape)) != x.shape[1]:
@@ -91,6 +88,18 @@ def _labels(col: pa.Array, path: str, name: str) -> torch.Tensor:
         return torch.from_numpy(_column_matrix(col, path, name).astype(np.float32))
     raise UserError(f"{path}: label column '{name}' must hold numbers or lists of numbers without nulls, "
                     f"got {col.type}")
+
+
+def feature_matrix(rows: Union[pa.Table, pa.RecordBatch], features: Union[str, list], path: str) -> np.ndarray:
+    """The feature column(s) as one (rows, values) matrix: a list column, or scalar columns side
+    by side. `predict` reads its input's batches with it, as training read the table."""
+    def whole(name: str) -> pa.Array:
+        col = rows.column(name)
+        return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+    if isinstance(features, str):
+        return _column_matrix(whole(features), path, features)
+    return np.stack([_scalar_column(whole(c), path, c) for c in features], axis=1)
 
 
 def _column_matrix(col: pa.Array, path: str, name: str) -> np.ndarray:
