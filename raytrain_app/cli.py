@@ -454,8 +454,7 @@ def cluster_status(profile_file):
         nodes, free = dashboard.alive_nodes(), dashboard.free()
 
         def available(kind: str, nodes) -> str:
-            known = [free[n.node_id].get(kind, 0.0) for n in nodes if n.node_id in free]
-            return f"{sum(known):g}" if len(known) == len(nodes) else "?"
+            return f"{sum(max(free[n.node_id][kind], 0.0) for n in nodes):g}"
 
         click.echo(f"cluster '{profile.name}' at {profile.jobs_address}: {len(nodes)} nodes, "
                    f"{available('CPU', nodes)}/{sum(n.cpus for n in nodes):g} CPUs free, "

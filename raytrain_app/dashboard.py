@@ -1,12 +1,11 @@
 """A cluster's dashboard address: reachability, nodes and the Jobs API, each with a bounded timeout.
 
 Everything here goes through Ray's own HTTP endpoints (`/api/version`, the state API's
-`/api/v0/nodes`) and Ray's `JobSubmissionClient`, with the profile's token as a Bearer header.
+`/api/v0/nodes`, placement groups and actors) and Ray's `JobSubmissionClient`, with the profile's token as a Bearer header.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import requests
@@ -15,11 +14,6 @@ from raytrain_app.capacity import Node
 from raytrain_app.console import route_ray_logs
 from raytrain_app.errors import UserError
 from raytrain_app.profiles import ClusterProfile
-
-
-# A line of `ray status`'s per-node usage: "1.0/2.0 CPU (1.0 used of 2.0 reserved in placement groups)"
-_USAGE = re.compile(r"^(?P<used>[\d.]+)/(?P<total>[\d.]+) (?P<name>CPU|GPU)"
-                    r"(?: \((?P<pg_used>[\d.]+) used of (?P<reserved>[\d.]+) reserved)?", re.M)
 
 
 class Dashboard:
@@ -48,26 +42,28 @@ class Dashboard:
         return self.get("/api/version").get("ray_version", "?")
 
     def nodes(self) -> list[Node]:
-        result = self.get("/api/v0/nodes?detail=1&limit=1000")["data"]["result"]
-        rows = result["result"] if isinstance(result, dict) else result
+        rows = self._state("nodes")
         return [Node(n["node_id"], n.get("node_ip", "?"), n["state"] == "ALIVE", bool(n.get("is_head_node")),
                      n.get("resources_total", {}).get("CPU", 0.0), n.get("resources_total", {}).get("GPU", 0.0))
                 for n in rows]
 
     def free(self) -> dict[str, dict[str, float]]:
-        """CPUs and GPUs per node id that no task or actor uses and no placement group reserves
-        (Ray Train reserves its workers' share in one). Ray's HTTP API has them only as the
-        lines `ray status` prints, so they are read from those; a node missing here is unknown."""
-        data = self.get("/nodes?view=summary").get("data", {})
-        lines = data.get("nodeLogicalResources") or data.get("node_logical_resources") or {}
-        free = {}
-        for node_id, text in lines.items():
-            for m in _USAGE.finditer(text):
-                used, total = float(m["used"]), float(m["total"])
-                if m["reserved"]:  # `used` counts what runs in placement groups, not what they hold
-                    used += float(m["reserved"]) - float(m["pg_used"])
-                free.setdefault(node_id, {})[m["name"]] = max(total - used, 0.0)
+        """CPUs and GPUs per alive node id that no placement group reserves and no actor outside
+        one holds (Ray Train reserves its workers' share in a placement group; plain tasks are
+        not counted), from the state API."""
+        free = {n.node_id: {"CPU": n.cpus, "GPU": n.gpus} for n in self.alive_nodes()}
+        held = [(b.get("node_id"), b.get("unit_resources", {}))
+                for g in self._state("placement_groups") if g.get("state") == "CREATED" for b in g.get("bundles") or []]
+        held += [(a.get("node_id"), a.get("required_resources") or {}) for a in self._state("actors")
+                 if a.get("state") == "ALIVE" and not a.get("placement_group_id")]
+        for node_id, resources in held:
+            for kind in free.get(node_id, {}):
+                free[node_id][kind] -= resources.get(kind, 0.0)
         return free
+
+    def _state(self, kind: str) -> list[dict]:
+        result = self.get(f"/api/v0/{kind}?detail=1&limit=10000")["data"]["result"]
+        return result["result"] if isinstance(result, dict) else result
 
     def alive_nodes(self) -> list[Node]:
         return [n for n in self.nodes() if n.alive]

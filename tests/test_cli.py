@@ -86,18 +86,21 @@ def test_a_run_leaves_its_pictures_and_tensorboard_curves(digits_run, tmp_path):
     assert compared.returncode == 0 and compared.stdout.strip() == str(tmp_path / "both.png"), compared.stderr
 
 
-def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, tmp_path):
+def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_cluster, tmp_path):
+    """Through the library, on the session's cluster (the commands are one call each; their
+    errors go through the command below and in test_bad_input)."""
+    from raytrain_app import inference
+
     run_dir, _ = digits_run
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
     # One worker instead of the run's two: the exact evaluation gives the same numbers.
-    proc = cli("evaluate", str(run_dir), "--checkpoint", "latest", "--workers", "1")
-    assert proc.returncode == 0, proc.stderr
+    metrics = inference.evaluate(str(run_dir), "latest", "eval", workers=1, echo=lambda line: None)
     [written] = (run_dir / "evaluations").glob("checkpoint_*-eval.json")
     evaluated = json.loads(written.read_text())
-    assert evaluated["workers"] == 1 and evaluated["metrics"]["eval_accuracy"] == last["eval_accuracy"]
-    assert evaluated["metrics"]["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
-    assert f"eval_accuracy            {last['eval_accuracy']:.6g}" in proc.stdout
+    assert evaluated["workers"] == 1 and evaluated["metrics"] == metrics
+    assert metrics["eval_accuracy"] == last["eval_accuracy"]
+    assert metrics["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
 
     # The eval split as a user's Parquet file (raw pixels, the shape in its metadata), in 4 row groups.
     x, y = read_table(str(DIGITS_FILE), "image", "label", None)
@@ -107,9 +110,9 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, tmp_path)
                       "id": pa.array([f"digit-{i}" for i in range(len(y_eval))])})
     pq.write_table(table.replace_schema_metadata({"raytrain.shape": "[1, 8, 8]"}), tmp_path / "new.parquet",
                    row_group_size=100)
-    proc = cli("predict", str(run_dir), "--checkpoint", "latest", "--input", str(tmp_path / "new.parquet"),
-               "--output", str(tmp_path / "preds.parquet"), "--batch-size", "64")
-    assert proc.returncode == 0, proc.stderr
+    rows = inference.predict(str(run_dir), str(tmp_path / "new.parquet"), str(tmp_path / "preds.parquet"), "latest",
+                             batch_size=64, echo=lambda line: None)
+    assert rows == len(y_eval)
     preds = pq.read_table(tmp_path / "preds.parquet")
     assert preds.column("row").to_pylist() == list(range(len(y_eval)))
     assert preds.column("id").to_pylist() == table.column("id").to_pylist()

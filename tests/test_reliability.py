@@ -36,7 +36,7 @@ def step_checkpointed(marker, fault, **tracking):
     restart resumes from whichever of them was registered last, always mid-epoch. TensorBoard
     gets a point every step."""
     return faulty(marker, at=40, fault=fault, checkpoint={"every_steps": 5}, failure={"max_failures": 1},
-                  tracking={"log_every_steps": 1, **tracking})
+                  tracking={"tensorboard": True, "log_every_steps": 1, **tracking})
 
 
 @pytest.fixture(scope="module")
