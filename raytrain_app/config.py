@@ -253,6 +253,8 @@ class TrackingConfig(Section):
                                                           "'raytrain-app[wandb]')")
     log_every_steps: int = Field(50, ge=0, description="step-level train loss, lr and samples/s every N optimizer "
                                                        "steps (0: epoch-level only)")
+    report_png: bool = Field(True, description="draw RUN_DIR/report.png when the run ends (pip install "
+                                               "'raytrain-app[report]'); `raytrain-app report` draws it any time")
 
 
 class ScriptConfig(Section):

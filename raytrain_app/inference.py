@@ -66,9 +66,9 @@ def evaluate(run_dir: str, checkpoint_name: str = "best", data_set: str = "eval"
         try:
             trainer.fit()
         except ray.train.TrainingFailedError as e:
-            from raytrain_app.trainer import _explain
+            from raytrain_app.trainer import explain_failure
 
-            raise _explain(e, loaded.job) from None
+            raise explain_failure(e, loaded.job) from None
     return json.loads(storage.read_text(out))["metrics"]
 
 
@@ -151,7 +151,9 @@ def predict_row_groups(job_data: dict, directory: str, input_path: str, spec: "I
     saved = checkpoint.load_state(directory)
     model = build_model(job.model, tuple(saved["input_shape"]), saved["num_classes"])
     model.load_state_dict(saved["model"])
-    model.eval()
+    # Ray hides the GPUs from a task that asked for none, so this is the task's own GPU or the CPU.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
     fs, path = storage.filesystem_for(input_path)
     source = pq.ParquetFile(fs.open_input_file(path))
     starts = np.cumsum([0] + [source.metadata.row_group(g).num_rows for g in range(source.metadata.num_row_groups)])
@@ -163,7 +165,7 @@ def predict_row_groups(job_data: dict, directory: str, input_path: str, spec: "I
             if mean_std is not None:
                 x = (x - mean_std[0]) / mean_std[1]
             with torch.no_grad():
-                out = model(x)
+                out = model(x.to(device)).cpu()
             piece = {"row": pa.array(np.arange(row, row + batch.num_rows))}
             if keep_id:
                 piece["id"] = batch.column("id")

@@ -96,7 +96,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     tracking.finish(config.tracking, plan.run_dir, "FINISHED", best_uri, best_metrics)
     record_status(plan.run_dir, "finished")
     return Result(
-        report=_picture(plan.run_dir, echo),
+        report=_picture(plan.run_dir, echo) if config.tracking.report_png else None,
         config=config,
         run_dir=plan.run_dir,
         metrics=history.rows(),
@@ -111,7 +111,7 @@ def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restar
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as e:
-        raise _explain(e, config) from None
+        raise explain_failure(e, config) from None
     except (SystemExit, ray.exceptions.RayActorError):
         # Ray Train's own SIGINT handler aborts the run by killing its controller, then exits 0.
         # An interrupted run is not a successful one.
@@ -248,7 +248,7 @@ class RestartNotices(UserCallback):
 
     Ray's own account of a dead worker is a paragraph printed by the driver (kept in driver.log);
     this says which rank failed, where, why, and which checkpoint the restart continues from.
-    Failures past `failure.max_failures` end the run and are explained by `_explain` instead.
+    Failures past `failure.max_failures` end the run and are explained by `explain_failure` instead.
     """
 
     def __init__(self, events: Queue, run_dir: str, max_failures: int, restarts=None):
@@ -324,7 +324,7 @@ def _nonfinite_message(where: dict, latest) -> str:
             f"(lr {where['lr']:.3g}); {then} (train.stop_on_nonfinite: false trains on regardless)")
 
 
-def _explain(error: ray.train.TrainingFailedError, config: JobConfig) -> Exception:
+def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig) -> Exception:
     """One clause per failed rank: where it ran and its last error line, not Ray's nested tracebacks."""
     failures = getattr(error, "worker_failures", None) or {}
     if failures and all(isinstance(e, UserError) for e in failures.values()):

@@ -124,6 +124,10 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_clust
     pq.write_table(pa.table({"pixels": [[0.0] * 64]}), tmp_path / "wrong.parquet")
     proc = cli("predict", str(run_dir), "--input", str(tmp_path / "wrong.parquet"), "--output", str(tmp_path / "p"))
     assert proc.returncode == 2 and "has no column 'image'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    pq.write_table(pa.table({"image": [[0.0] * 10]}), tmp_path / "short.parquet")
+    proc = cli("predict", str(run_dir), "--input", str(tmp_path / "short.parquet"), "--output", str(tmp_path / "p"))
+    assert proc.returncode == 2 and "10 values per row, but the model was trained on samples shaped [1, 28, 28]" \
+        in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     proc = cli("predict", str(run_dir), "--input", str(tmp_path / "new.parquet"), "--output", "/proc/preds.parquet")
     assert proc.returncode == 2 and "is not writable" in proc.stderr and len(proc.stderr.splitlines()) == 1
 

@@ -27,7 +27,8 @@ def job(**sections) -> JobConfig:
         "train": {"epochs": 2, "batch_size": 8, "eval_batch_size": 16},
         "checkpoint": {"every_epochs": 1, "keep": 1},
         "scaling": {"workers": 2},
-        "tracking": {"tensorboard": False},  # on by default; its tests turn it on (test_reliability)
+        # On by default; their tests turn them on (test_reliability, test_cli, test_object_storage).
+        "tracking": {"tensorboard": False, "report_png": False},
     }
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value

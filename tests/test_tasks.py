@@ -9,14 +9,18 @@ import json
 import re
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from sklearn import metrics as sk
 from torch import nn
 
+from raytrain_app import inference
 from raytrain_app.config import JobConfig, ScheduleConfig, TaskConfig, load_config
 from raytrain_app.data import Datasets, build_datasets, eval_loader
-from raytrain_app.data.arrays import ArrayDataset
+from raytrain_app.data.arrays import ArrayDataset, split
+from raytrain_app.data.parquet import read_table
 from raytrain_app.data.text import TokenBlocks
 from raytrain_app.loop import Precision, Step, evaluate, train_epoch
 from raytrain_app.optim import build_schedule
@@ -144,6 +148,15 @@ def test_the_regression_example_reaches_its_bar(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval_r2"] for r in rows] == [r["eval_r2"] for r in result.metrics]  # every metric, every epoch
     assert result.best_metrics["eval_r2"] == max(r["eval_r2"] for r in rows if r["epoch"] % 4 == 0)
+
+    # `predict` over the eval split, as a user's file, gives the values that scored the last eval.
+    x, y = read_table("examples/diabetes.parquet", "features", "target", None)
+    _, _, x_eval, y_eval = split(x, y, 0.2, 0)
+    pq.write_table(pa.table({"features": x_eval.numpy().tolist()}), tmp_path / "patients.parquet", row_group_size=30)
+    inference.predict(str(tmp_path / "run"), str(tmp_path / "patients.parquet"), str(tmp_path / "preds.parquet"),
+                      "latest", workers=2, echo=lambda line: None)
+    predicted = torch.tensor(pq.read_table(tmp_path / "preds.parquet").column("prediction").to_numpy())
+    assert float(((predicted - y_eval.squeeze().double()) ** 2).mean()) == pytest.approx(last["eval_mse"], rel=1e-4)
 
 
 @pytest.mark.usefixtures("ray_cluster")
