@@ -7,7 +7,6 @@ joined, or at an address) -> Ray Train -> the result. The CLI is a thin layer ov
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -41,7 +40,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
     from raytrain_app.plan import make_plan
-    from raytrain_app.session import choose_cluster, ray_session
+    from raytrain_app.session import cluster_for
 
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source)
     # torch loads before Ray connects (a job's checks have loaded it already; a script's have
@@ -51,12 +50,8 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     s = plan.config.scaling
     what = plan.config.script.path if plan.config.script else f"{s.backend}, {plan.config.train.precision}"
     echo(f"run {plan.run_dir}: {s.workers} workers, {what}")
-    choice = choose_cluster(address, s.workers, s.cpus_per_worker, s.gpus_per_worker)
-    if choice.note:
-        echo(choice.note)
     try:
-        with ray_session(choice, max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999)),
-                         plan.log_dir, verbose):
+        with cluster_for(s, address, plan.log_dir, verbose, echo):
             from raytrain_app.trainer import run_training
 
             marks["cluster"] = time.time()

@@ -205,6 +205,11 @@ class ScalingConfig(Section):
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="how Ray places workers on nodes (submit sets it from the profile)")
 
+    @property
+    def resources(self) -> dict:
+        """One worker's Ray resources."""
+        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
+
     @model_validator(mode="after")
     def _nccl_needs_gpus(self):
         if self.backend == "nccl" and self.gpus_per_worker == 0:

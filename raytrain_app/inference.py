@@ -23,8 +23,11 @@ from typing import Callable, Optional, Union
 from raytrain_app import checkpoint, storage
 from raytrain_app.config import JobConfig, updated
 from raytrain_app.errors import TrainingFailed, UserError, last_line
+from raytrain_app.session import cluster_for
 
 DATA_SETS = ("eval", "train")
+# Ray's logs of an evaluate or predict (which has no run directory of its own to put them in)
+LOG_DIR = os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}", "inference-logs")
 
 
 @dataclass(frozen=True)
@@ -33,12 +36,15 @@ class Loaded:
 
     directory: str
     job: JobConfig
+    input_shape: tuple[int, ...]
 
     @classmethod
     def find(cls, run_dir: str, which: str, workers: Optional[int]) -> "Loaded":
         directory = checkpoint.choose(storage.normalize(run_dir), which)
-        job = JobConfig.from_dict(checkpoint.loop_state(directory)["config"], source=directory)
-        return cls(directory, updated(job, {"scaling": {"workers": workers}}) if workers else job)
+        saved = checkpoint.loop_state(directory)
+        job = JobConfig.from_dict(saved["config"], source=directory)
+        return cls(directory, updated(job, {"scaling": {"workers": workers}}) if workers else job,
+                   tuple(saved["input_shape"]))
 
 
 def evaluate(run_dir: str, checkpoint_name: str = "best", data_set: str = "eval", workers: Optional[int] = None,
@@ -55,11 +61,11 @@ def evaluate(run_dir: str, checkpoint_name: str = "best", data_set: str = "eval"
     run, name = posixpath.split(loaded.directory.rstrip("/"))  # Ray keeps checkpoints in the run directory
     out = storage.join(run, "evaluations", f"{name}-{data_set}.json")
     echo(f"evaluating {loaded.directory} on the {data_set} split: {s.workers} workers")
-    with _on_cluster(loaded.job, address, verbose), tempfile.TemporaryDirectory() as scratch:
+    with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo), tempfile.TemporaryDirectory() as scratch:
         trainer = TorchTrainer(
             functools.partial(evaluate_per_worker, loaded.job.to_python(), loaded.directory, data_set, out),
             scaling_config=ray.train.ScalingConfig(num_workers=s.workers, use_gpu=s.gpus_per_worker > 0,
-                                                   resources_per_worker=_resources(loaded.job)),
+                                                   resources_per_worker=s.resources),
             torch_config=TorchConfig(backend=s.backend, timeout_s=s.timeout_s),
             run_config=ray.train.RunConfig(name="evaluate", storage_path=scratch),
         )
@@ -78,10 +84,10 @@ def evaluate_per_worker(job_data: dict, directory: str, data_set: str, out: str)
     import ray.train
     import ray.train.torch
 
+    from raytrain_app.api import load_model
     from raytrain_app.data import build_datasets, eval_loader
     from raytrain_app.loop import Precision, Step, evaluate
-    from raytrain_app.models import build_model
-    from raytrain_app.tasks import build_task, model_outputs
+    from raytrain_app.tasks import build_task
 
     ctx = ray.train.get_context()
     device = ray.train.torch.get_device()
@@ -93,9 +99,7 @@ def evaluate_per_worker(job_data: dict, directory: str, data_set: str, out: str)
         if hasattr(data.eval, "augment"):
             data.eval.augment = False
     task = build_task(job.task)
-    model = build_model(job.model, data.input_shape, model_outputs(task, data.train, data.num_classes))
-    model.load_state_dict(checkpoint.load_state(directory)["model"])
-    model.to(device)
+    model = load_model(directory, _builder(job)).to(device)
     loader = eval_loader(data, job.train.eval_batch_size, ctx.get_world_rank(), ctx.get_world_size(), 0,
                          device.type == "cuda")
     metrics = evaluate(model, loader, Step(model, Precision(job.train.precision, device), device=device, task=task))
@@ -126,7 +130,7 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: str = "
     parts = storage.join(posixpath.dirname(storage.normalize(output)) or ".",
                          f".{posixpath.basename(output)}.parts")
     echo(f"predicting {input_path} with {loaded.directory}: {groups} row groups over {s.workers} workers")
-    with _on_cluster(loaded.job, address, verbose):
+    with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo):
         mean_std = normalization(loaded.job.data)
         task = ray.remote(predict_row_groups).options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker)
         try:
@@ -145,15 +149,12 @@ def predict_row_groups(job_data: dict, directory: str, input_path: str, spec: "I
     import pyarrow.parquet as pq
     import torch
 
-    from raytrain_app.models import build_model
+    from raytrain_app.api import load_model
 
     job = JobConfig.from_dict(job_data)
-    saved = checkpoint.load_state(directory)
-    model = build_model(job.model, tuple(saved["input_shape"]), saved["num_classes"])
-    model.load_state_dict(saved["model"])
     # Ray hides the GPUs from a task that asked for none, so this is the task's own GPU or the CPU.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
+    model = load_model(directory, _builder(job)).to(device)
     fs, path = storage.filesystem_for(input_path)
     source = pq.ParquetFile(fs.open_input_file(path))
     starts = np.cumsum([0] + [source.metadata.row_group(g).num_rows for g in range(source.metadata.num_row_groups)])
@@ -180,6 +181,11 @@ def predict_row_groups(job_data: dict, directory: str, input_path: str, spec: "I
         buffer = io.BytesIO()
         pq.write_table(pa.concat_tables(pieces), buffer)
         storage.write_bytes(storage.join(parts, f"{g:06d}.parquet"), buffer.getvalue())
+
+
+def _builder(job: JobConfig):
+    """A model builder given as a function (a notebook's), which the checkpoint names only."""
+    return job.model.name if callable(job.model.name) else None
 
 
 @dataclass(frozen=True)
@@ -231,7 +237,7 @@ def _input_spec(loaded: Loaded, input_path: str) -> InputSpec:
     if missing:
         raise UserError(f"--input {input_path} has no column '{missing[0]}', which the model was trained on "
                         f"(columns: {', '.join(names)})")
-    input_shape = tuple(checkpoint.load_state(loaded.directory)["input_shape"])
+    input_shape = loaded.input_shape
     stored = (source.schema_arrow.metadata or {}).get(b"raytrain.shape")
     shape = job.data.args.get("shape") or (json.loads(stored) if stored else input_shape)
     spec = InputSpec(features if isinstance(features, str) else tuple(features), tuple(shape),
@@ -260,18 +266,3 @@ def _join(parts: str, groups: int, output: str) -> int:
             writer.close()
     parts_fs.delete_dir(parts_path)
     return rows
-
-
-def _resources(job: JobConfig) -> dict:
-    s = job.scaling
-    return {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})}
-
-
-def _on_cluster(job: JobConfig, address: Optional[str], verbose: bool):
-    """The cluster `train` would use for these workers (see session.choose_cluster)."""
-    from raytrain_app.session import choose_cluster, ray_session
-
-    s = job.scaling
-    log_dir = os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}", "inference-logs")
-    return ray_session(choose_cluster(address, s.workers, s.cpus_per_worker, s.gpus_per_worker),
-                       max(os.cpu_count() or 1, int(s.workers * s.cpus_per_worker + 0.999)), log_dir, verbose)

@@ -33,11 +33,6 @@ class RunPlan:
         return self.config.scaling.gpus_per_worker > 0
 
     @property
-    def resources_per_worker(self) -> dict:
-        s = self.config.scaling
-        return {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if self.use_gpu else {})}
-
-    @property
     def log_dir(self) -> str:
         """Where this process writes the driver's and Ray's logs: RUN_DIR/logs, or for a run
         directory on object storage a local folder uploaded there at the end (`upload_logs`)."""

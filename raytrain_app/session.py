@@ -16,10 +16,11 @@ import socket
 import sys
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from raytrain_app.capacity import workers_that_fit
 from raytrain_app.console import route_ray_logs
+from raytrain_app.config import ScalingConfig
 from raytrain_app.dashboard import Dashboard
 from raytrain_app.errors import UserError, last_line
 from raytrain_app.localnodes import running_dir, running_pids
@@ -57,6 +58,19 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
                              note=f"using the running local cluster '{running.name}' (--address local starts a "
                                   "fresh one)")
     return ClusterChoice()
+
+
+@contextmanager
+def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optional[str], verbose: bool,
+                echo: Callable[[str], None]) -> Iterator[None]:
+    """The cluster for `scaling`'s workers (see `choose_cluster`), said when it is not the obvious
+    one, connected for the block: what `train`, `evaluate` and `predict` share."""
+    choice = choose_cluster(address, scaling.workers, scaling.cpus_per_worker, scaling.gpus_per_worker)
+    if choice.note:
+        echo(choice.note)
+    with ray_session(choice, max(os.cpu_count() or 1, int(scaling.workers * scaling.cpus_per_worker + 0.999)),
+                     log_dir, verbose):
+        yield
 
 
 @contextmanager

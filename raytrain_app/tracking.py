@@ -75,7 +75,7 @@ class Trackers:
         an epoch, takes its next point from the restored position."""
         t = job.tracking
         self.every, self.world_size, self.run_dir = t.log_every_steps, world_size, run_dir
-        self.writers: list = []
+        self.writers: list[Tracker] = []
         if rank != 0:
             return
         ids_file = storage.join(run_dir, TRACKING_FILE)
@@ -87,7 +87,7 @@ class Trackers:
             self.writers.append(MLflow(t.mlflow, run_dir, job.name, name, recorded.get("mlflow")))
         if t.wandb is not None:
             self.writers.append(WandB(t.wandb, run_dir, name, recorded.get("wandb")))
-        ids = {w.key: w.record() for w in self.writers if w.record() is not None}
+        ids = {w.key: record for w in self.writers if (record := w.record()) is not None}
         if ids != recorded:
             storage.write_text(ids_file, json.dumps(ids, indent=1) + "\n")
         if not recorded:  # the config once per run, not once per restart
@@ -156,7 +156,29 @@ def finish(config: TrackingConfig, run_dir: str, status: str, best_checkpoint: O
     client.set_terminated(run_id, status)
 
 
-class TensorBoard:
+class Tracker:
+    """What every tracker does; each overrides what it needs."""
+
+    key: str  # its entry in tracking.json
+
+    def record(self) -> Optional[dict]:
+        """What a restart needs to continue this run (tracking.json), if anything."""
+        return None
+
+    def config(self, flat: dict, job: JobConfig) -> None:
+        """The resolved config, once per run."""
+
+    def scalars(self, values: dict, step: int) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """After every epoch: make what was written durable."""
+
+    def close(self) -> None:
+        """When the loop ends; the driver sets a run's final status (`finish`)."""
+
+
+class TensorBoard(Tracker):
     """Event files in RUN_DIR/tensorboard; on object storage, written locally and uploaded after
     every epoch. `purge_step` makes TensorBoard drop a failed attempt's events past the restored step."""
 
@@ -169,9 +191,6 @@ class TensorBoard:
         self.remote = not storage.is_local(run_dir)
         local = tempfile.mkdtemp(prefix="raytrain-tb-") if self.remote else self.target
         self.writer = SummaryWriter(local, purge_step=restored_step + 1)
-
-    def record(self) -> Optional[dict]:
-        return None
 
     def config(self, flat: dict, job: JobConfig) -> None:
         from torch.utils.tensorboard.summary import hparams
@@ -194,7 +213,7 @@ class TensorBoard:
         self.writer.close()
 
 
-class MLflow:
+class MLflow(Tracker):
     """An MLflow run through `MlflowClient` (no global active run to leak into user code)."""
 
     key = "mlflow"
@@ -241,14 +260,8 @@ class MLflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
-    def sync(self) -> None:
-        pass
 
-    def close(self) -> None:
-        pass  # the driver sets the final status (`finish`)
-
-
-class WandB:
+class WandB(Tracker):
     """A W&B run; offline mode writes RUN_DIR/wandb (local run directories) for `wandb sync`."""
 
     key = "wandb"
@@ -273,9 +286,6 @@ class WandB:
     def scalars(self, values: dict, step: int) -> None:
         if step > self.logged_until:
             self.run.log(values, step=step)
-
-    def sync(self) -> None:
-        pass
 
     def close(self) -> None:
         self.run.finish()

@@ -62,7 +62,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     trainer = TorchTrainer(
         functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args),
         scaling_config=ray.train.ScalingConfig(num_workers=config.scaling.workers, use_gpu=plan.use_gpu,
-                                               resources_per_worker=plan.resources_per_worker,
+                                               resources_per_worker=config.scaling.resources,
                                                placement_strategy=config.scaling.placement),
         torch_config=TorchConfig(backend=config.scaling.backend, timeout_s=config.scaling.timeout_s),
         run_config=ray.train.RunConfig(
