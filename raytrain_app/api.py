@@ -50,6 +50,8 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     s = plan.config.scaling
     what = plan.config.script.path if plan.config.script else f"{s.backend}, {plan.config.train.precision}"
     echo(f"run {plan.run_dir}: {s.workers} workers, {what}")
+    for warning in plan.warnings:
+        echo(f"warning: {warning}")
     try:
         with cluster_for(s, address, plan.log_dir, verbose, echo):
             from raytrain_app.trainer import run_training

@@ -4,6 +4,11 @@ Rank 0 writes the state every rank shares (`state.pt`); every rank writes what i
 (`rank{N}.pt`); see `state.py` for what is in them. Ray Train merges the ranks' files into one
 checkpoint directory on the run's storage and keeps the best K.
 
+Under FSDP/HSDP no rank holds the whole model, so the weights and optimizer state go instead
+into `shards/` through `torch.distributed.checkpoint` (DCP): each rank writes its own shards
+(`__RANK_0.distcp`) and rank 0 the index (`.metadata`). DCP reads them back into any mesh, so a
+run resumes at another world size, and `load_state` consolidates them on one process's CPU.
+
 Safety: each file is written under a temporary name and renamed, with a `.sha256` beside it, so
 a partial or corrupted checkpoint is detected on restore and skipped in favour of the previous
 good one. Everything is loaded with `weights_only=True`, so a checkpoint cannot run code.
@@ -28,6 +33,7 @@ from raytrain_app.errors import UserError
 from raytrain_app.state import TrainState
 
 STATE_FILE = "state.pt"
+SHARDS = "shards"  # the DCP directory of a sharded run's weights and optimizer state
 
 # The score a mid-epoch checkpoint reports for `checkpoint.metric`, so that Ray's best-K never
 # keeps it for its score. Finite on purpose: Ray's JSON index of checkpoints turns NaN into null,
@@ -37,14 +43,22 @@ WORST_SCORE = {"max": -sys.float_info.max, "min": sys.float_info.max}
 
 def save(directory: str, rank: int, state: TrainState, about: dict) -> None:
     """`about`: plain data saved beside rank 0's state (the config, the model's input shape)."""
+    if state.sharded:
+        import torch.distributed.checkpoint as dcp
+
+        before = set(_listing(directory))
+        dcp.save(state.sharded_state_dict(), checkpoint_id=os.path.join(directory, SHARDS))
+        for name in sorted(set(_listing(directory)) - before):  # this rank's files; checksums as for the others
+            _write_checksum(os.path.join(directory, name))
     if rank == 0:
         _write(directory, STATE_FILE, {**state.state_dict(), **about})
     _write(directory, f"rank{rank}.pt", state.rank_state_dict())
 
 
 def restore_latest_good(latest, state: TrainState, rank: int, device: torch.device, run_dir: str,
-                        warn: Callable[[str], None]) -> str:
-    """Restore the newest checkpoint that verifies, newest first; returns its URI.
+                        warn: Callable[[str], None]) -> tuple[str, dict]:
+    """Restore the newest checkpoint that verifies, newest first; returns its URI and the layout
+    (world size, strategy, mesh) it was written under.
 
     Every rank walks the same list in the same order, so all ranks agree on the one they load.
     """
@@ -54,8 +68,9 @@ def restore_latest_good(latest, state: TrainState, rank: int, device: torch.devi
             problem = verify(directory, rank)
             if problem is None:
                 try:
-                    load_into(directory, state, rank, device)
-                    return uri
+                    return uri, load_into(directory, state, rank, device)
+                except UserError:
+                    raise
                 except Exception as e:  # weights_only refuses code; a torn file fails to parse
                     problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         warn(f"skipping checkpoint {uri}: {problem}")
@@ -63,8 +78,12 @@ def restore_latest_good(latest, state: TrainState, rank: int, device: torch.devi
 
 
 def verify(directory: str, rank: int) -> Optional[str]:
-    """None if the checkpoint's files are complete and match their checksums, else what is wrong."""
-    for name in (STATE_FILE, f"rank{rank}.pt"):
+    """None if the checkpoint's files are complete and match their checksums, else what is wrong.
+    Every rank checks every shard: at another world size a rank reads from several."""
+    shards = [name for name in _listing(directory) if not name.endswith(".sha256")]
+    if os.path.isdir(os.path.join(directory, SHARDS)) and f"{SHARDS}/.metadata" not in shards:
+        return f"{SHARDS}/.metadata is missing"
+    for name in (STATE_FILE, f"rank{rank}.pt", *shards):
         path = os.path.join(directory, name)
         if not os.path.exists(path):
             if name == STATE_FILE:
@@ -91,16 +110,47 @@ def find(path: str) -> str:
 
 
 def load_state(checkpoint_dir: str) -> dict:
-    """Rank 0's training state from a checkpoint directory: a local path or a URI."""
+    """Rank 0's training state from a checkpoint directory (a local path or a URI), with the
+    model's full weights under "model", consolidated from the shards of a sharded run."""
     data = storage.read_bytes(storage.join(checkpoint_dir, STATE_FILE))
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return with_weights(checkpoint_dir, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
 
 
-def load_into(directory: str, state: TrainState, rank: int, device: torch.device) -> None:
-    state.load_state_dict(torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True))
+def with_weights(checkpoint_dir: str, saved: dict) -> dict:
+    """Rank 0's `saved` state with the model's full weights: its own, or its shards' consolidated."""
+    return saved if "model" in saved else {**saved, "model": model_weights(checkpoint_dir)}
+
+
+def model_weights(checkpoint_dir: str) -> dict:
+    """A sharded checkpoint's model weights as one full state dict on this process's CPU, read
+    shard by shard with DCP (no process group, no GPU); the optimizer state is not read. The
+    tensors to fill are made from DCP's own index, so no model needs to be built first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    with storage.local_copy(storage.join(checkpoint_dir, SHARDS)) as local:
+        reader = dcp.FileSystemReader(local)
+        index = reader.read_metadata().state_dict_metadata
+        weights = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+                   for key, meta in index.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+        loaded = {"model": weights}
+        dcp.load(loaded, storage_reader=reader, no_dist=True)
+    return loaded["model"]
+
+
+def load_into(directory: str, state: TrainState, rank: int, device: torch.device) -> dict:
+    """Restore `state` from a verified local checkpoint directory; returns the layout (world size,
+    mesh) it was written under. A sharded checkpoint loads into any mesh, or into a plain model."""
+    saved = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
+    shards = os.path.join(directory, SHARDS)
+    if state.sharded and not os.path.isdir(shards):
+        raise UserError("a checkpoint written without sharding cannot be resumed under strategy fsdp or hsdp: "
+                        "resume it under the strategy that wrote it, or start a new run")
+    state.load_state_dict(saved, shards if os.path.isdir(shards) else None)
     rank_file = os.path.join(directory, f"rank{rank}.pt")
     if os.path.exists(rank_file):  # a rank that did not exist when it was written keeps its fresh seed
         state.load_rank_state_dict(torch.load(rank_file, weights_only=True), device)
+    return saved.get("layout", {})
 
 
 def choose(path: str, which: str = "latest") -> str:
@@ -179,15 +229,25 @@ def _older_than(latest) -> list:
     return [Checkpoint(posixpath.join(parent, name), filesystem=fs) for name in names]
 
 
+def _listing(directory: str) -> list[str]:
+    """The files under the checkpoint's shards/ directory, as paths relative to the checkpoint."""
+    shards = os.path.join(directory, SHARDS)
+    return [f"{SHARDS}/{name}" for name in sorted(os.listdir(shards))] if os.path.isdir(shards) else []
+
+
+def _write_checksum(path: str) -> None:
+    with open(path + ".sha256.tmp", "w") as f:
+        f.write(f"{_sha256(path)}  {os.path.basename(path)}\n")
+    os.replace(path + ".sha256.tmp", path + ".sha256")
+
+
 def _write(directory: str, name: str, obj) -> None:
     """torch.save under a temporary name, then rename: a reader never sees half a file."""
     path = os.path.join(directory, name)
     try:
         torch.save(obj, path + ".tmp")
         os.replace(path + ".tmp", path)
-        with open(path + ".sha256.tmp", "w") as f:
-            f.write(f"{_sha256(path)}  {name}\n")
-        os.replace(path + ".sha256.tmp", path + ".sha256")
+        _write_checksum(path)
     except BaseException:  # a full disk, an interrupt: leave the previous file, not a torn one beside it
         for torn in (path + ".tmp", path + ".sha256.tmp"):
             with contextlib.suppress(FileNotFoundError):

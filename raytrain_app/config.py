@@ -183,6 +183,28 @@ class TrainConfig(Section):
                                                       "on")
 
 
+class StrategyConfig(Section):
+    name: Literal["ddp", "fsdp", "hsdp"] = Field("ddp", description="ddp: a full replica per worker; fsdp: "
+                                                                  "parameters, gradients and optimizer state sharded "
+                                                                  "over all workers (FSDP2); hsdp: replicated across "
+                                                                  "nodes, sharded within each")
+    shard_modules: Union[Literal["auto"], list[str]] = Field(
+        "auto", description="module class names sharded as units, the root last (auto: the model's repeated "
+                            "blocks, such as transformer layers)")
+    reshard_after_forward: bool = Field(True, description="free gathered parameters after forward (less memory, "
+                                                          "one more all-gather in backward)")
+    mixed_precision: Literal["auto", "off", "bf16"] = Field("auto", description="bf16 parameters with fp32 "
+                                                                               "gradient reduction (auto: bf16 "
+                                                                               "when train.precision is bf16)")
+    cpu_offload: bool = Field(False, description="keep sharded parameters and optimizer state in CPU memory")
+    replicate_degree: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
+        "auto", description="hsdp: replicas (auto: one per node); each shards over workers / replicate_degree")
+
+    @property
+    def sharded(self) -> bool:
+        return self.name != "ddp"
+
+
 class CheckpointConfig(Section):
     every_epochs: int = Field(1, ge=1, description="the last epoch is always checkpointed")
     every_steps: int = Field(0, ge=0, description="also every N optimizer steps, recording the sampler position "
@@ -282,6 +304,7 @@ class JobConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     failure: FailureConfig = Field(default_factory=FailureConfig)
@@ -314,10 +337,11 @@ class JobConfig(Section):
             problems.append("train.ddp_static_graph: must be false with train.grad_accum_steps > 1 and more than "
                             "one worker (torch's DDP cannot accumulate gradients under a static graph: "
                             "pytorch/pytorch#143580)")
+        problems += self._strategy_problems()
         if self.script is not None:
             problems += [f"{key}: is not used with a script, which trains itself (a script takes "
                          f"{', '.join(SCRIPT_SECTIONS)})" for key in ("seed", "model", "data", "task", "optimizer",
-                                                                    "schedule", "train", "tracking")
+                                                                    "schedule", "train", "strategy", "tracking")
                          if getattr(self, key) != JobConfig.model_fields[key].get_default(call_default_factory=True)]
         names = self.task.metric_names
         metric = self.checkpoint.metric
@@ -327,6 +351,23 @@ class JobConfig(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _strategy_problems(self) -> list[str]:
+        st, workers = self.strategy, self.scaling.workers
+        problems = []
+        if st.name == "hsdp" and st.replicate_degree != "auto" and workers % st.replicate_degree:
+            problems.append(f"strategy.replicate_degree: {st.replicate_degree} does not divide the {workers} workers "
+                            "into equal shard groups")
+        if st.sharded and st.cpu_offload and self.train.compile != "off":
+            problems.append("strategy.cpu_offload: cannot be combined with train.compile (FSDP2 offloading moves "
+                            "parameters outside the compiled graph): turn one of them off")
+        if st.sharded and st.cpu_offload and self.scaling.gpus_per_worker == 0:
+            problems.append("strategy.cpu_offload: needs GPU workers (it moves GPU memory to pinned CPU memory; on CPU "
+                            "workers everything is in CPU memory already)")
+        if st.sharded and self.train.precision == "fp16":
+            problems.append(f"train.precision: fp16 is not supported under strategy {st.name} (its loss scaler does "
+                            "not see sharded gradients): use bf16")
+        return problems
 
     def to_dict(self) -> dict:
         """Plain data, as a file holds it (builders given as functions become their import paths)."""

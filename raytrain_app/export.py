@@ -26,7 +26,7 @@ import pyarrow.fs as pafs
 import torch
 
 from raytrain_app import storage
-from raytrain_app.checkpoint import choose, loop_state
+from raytrain_app.checkpoint import choose, loop_state, with_weights
 from raytrain_app.errors import UserError
 
 MANIFEST = "model.json"
@@ -59,7 +59,7 @@ def export(run_dir_or_checkpoint: str, format: str, output: Optional[str] = None
     if format == "safetensors":
         _safetensors()  # before any work: a missing package is the first thing to hear about
     source = choose(storage.normalize(str(run_dir_or_checkpoint)), checkpoint)
-    saved = loop_state(source)
+    saved = with_weights(source, loop_state(source))
     weights = _weights_path(source, None if output is None else str(output), format)
     manifest_path = storage.join(_parent(weights), MANIFEST)
     storage.check_writable(_parent(weights))  # before tracing or reading data, not after

@@ -1,9 +1,10 @@
 """The training loop every Ray Train worker runs, top to bottom.
 
 Ray Train has already started this process, set its device and joined it to the process group
-(NCCL or Gloo) when `train_loop_per_worker` is called. From there it is plain DDP:
+(NCCL or Gloo) when `train_loop_per_worker` is called. From there it is plain DDP (or FSDP2,
+see `strategy.py`):
 
-    build data, task and model -> wrap in DDP -> restore a checkpoint if there is one ->
+    build data, task and model -> wrap in DDP or shard -> restore a checkpoint if there is one ->
     for each epoch: set_epoch, train, evaluate, all-reduce metrics, report (+ checkpoint)
 
 The task (`tasks.py`) decides what a step optimises and what evaluation measures.
@@ -32,13 +33,13 @@ from raytrain_app import checkpoint
 from raytrain_app.console import startup_phases
 from raytrain_app.config import JobConfig, TaskConfig
 from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
-from raytrain_app.metrics import EpochMetrics, Sums, Totals
+from raytrain_app.metrics import EpochMetrics, Sums, Totals, global_max
 from raytrain_app.models import build_model
 from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.reporter import Reporter
 from raytrain_app.state import TrainState
-from raytrain_app.strategy import parallelize
+from raytrain_app.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
 from raytrain_app.tasks import Classification, Task, build_task, model_outputs
 from raytrain_app.tracking import Trackers
 
@@ -68,9 +69,10 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     report = Reporter(args.events, rank, args.log_dir, args.progress)
-    report.info("rank %d/%d on node %s, device %s", rank, world_size, ray.get_runtime_context().get_node_id(), device)
+    node = ray.get_runtime_context().get_node_id()
+    report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
     try:
-        _run(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, device, report,
+        _run(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
              {**(args.marks or {}), "loop": entered})
     except BaseException:
         report.failed()
@@ -78,8 +80,8 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     report.sync()
 
 
-def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch.device, report: Reporter,
-         marks: dict) -> None:
+def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, device: torch.device,
+         report: Reporter, marks: dict) -> None:
     tc = job.train
     # The same seed on every rank for the initial weights (DDP broadcasts rank 0's anyway, and a
     # 1-worker run starts from the same ones), then each rank its own for dropout and augmentation.
@@ -87,7 +89,8 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
     data = build_datasets(job.data)
     task = build_task(job.task)
     outputs = model_outputs(task, data.train, data.num_classes)
-    parallel = parallelize(build_model(job.model, data.input_shape, outputs), tc, world_size, device, report.warn)
+    model = build_model(job.model, data.input_shape, outputs)
+    parallel = parallelize(model, job, world_size, node, device, report.warn)
     seed_everything(job.seed + rank)
 
     # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.
@@ -97,24 +100,30 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, device: torch
     pin = device.type == "cuda" and not resident
     train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident)
     eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident)
-    report.info("data %s, %d loader workers; compile %s%s", "on the device" if resident else "through a DataLoader",
-                workers, tc.compile, " with CUDA graphs" if parallel.cuda_graphs else "")
+    report.info("data %s, %d loader workers; compile %s%s; %s", "on the device" if resident else "through a DataLoader",
+                workers, tc.compile, " with CUDA graphs" if parallel.cuda_graphs else "", parallel.describe())
 
     optimizer = build_optimizer(parallel.model.parameters(), job.optimizer, world_size)
     precision = Precision(tc.precision, device)
     steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
     state = TrainState(parallel.model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
-                       precision.scaler)
+                       precision.scaler, sharded=parallel.mesh is not None)
     step = Step(parallel.train_model, precision, tc.grad_accum_steps, tc.grad_clip, device, parallel.memory_format,
                 parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite), task)
     epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
+    # What each checkpoint holds besides the state: the config, what the model was built for
+    # (`raytrain_app.load_model` rebuilds it from these), and the layout it was trained under.
+    layout = {"world_size": world_size, "strategy": job.strategy.name if parallel.mesh else "ddp",
+              "mesh": list(parallel.mesh or ())}
+    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs, "layout": layout}
     if ray.train.get_checkpoint():
-        restored = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device, run_dir,
-                                                  report.warn)
+        restored, saved_layout = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device,
+                                                                run_dir, report.warn)
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
-    # What each checkpoint holds besides the state: the config, and what the model was built for
-    # (`raytrain_app.load_model` rebuilds it from these).
-    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs}
+        if saved_layout and saved_layout != layout:
+            how = " through torch.distributed.checkpoint" if saved_layout["mesh"] else ""
+            report.warn(f"resharded{how} from {describe_layout(saved_layout)} to {describe_layout(layout)}: the run "
+                        "goes on from the saved state, but is not bitwise the run it would have been")
     trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
     after_step = AfterStep(job, about, rank, step.loss_check, report, trackers, {**marks, "ready": time.time()})
 
@@ -181,7 +190,7 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
         window_start = i - i % step.accum_steps
         window_end = min(window_start + step.accum_steps, n)  # the epoch's last window may be shorter
         last = i + 1 == window_end
-        sync = step.model.no_sync() if not last and hasattr(step.model, "no_sync") else nullcontext()
+        sync = no_grad_sync(step.model) if not last else nullcontext()
         if step.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
         with sync:
@@ -215,14 +224,22 @@ def evaluate(model: nn.Module, loader, step: Step) -> dict[str, float]:
     the sums are all-reduced, and only then divided.
 
     Takes the bare model, not the DDP wrapper: evaluation needs no gradient sync, and ranks may
-    hold one batch more or less than each other.
+    hold one batch more or less than each other. A sharded model gathers its parameters from
+    every rank in each forward, so there a rank short of batches repeats its first one, its
+    sums dropped, until every rank has run as many forwards.
     """
     model.eval()
     sums = Sums()
+    rounds = int(global_max(len(loader), step.device)) if is_sharded(model) else len(loader)
+    first = None
     for batch in loader:
         batch = step.task.move(batch, step.device, step.memory_format)
         with step.precision.autocast():
             sums.add(step.task.eval_sums(model, batch))
+        first = batch if first is None else first
+    for _ in range(rounds - len(loader)):
+        with step.precision.autocast():
+            step.task.eval_sums(model, first)
     model.train()
     return step.task.metrics(sums.all_reduce())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -36,14 +37,15 @@ def build_schedule(optimizer, config: ScheduleConfig, steps_per_epoch: int, epoc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def load_state(optimizer: torch.optim.Optimizer, scheduler, saved_optimizer: dict, saved_scheduler: dict) -> None:
-    """Restore the saved state (momentum buffers, step counts, position in the schedule) under the
-    config's hyper-parameters: a resumed run reads its config again, so `--set optimizer.lr=...`
-    applies from the restored step on, e.g. to continue below the lr at which a loss went NaN."""
+@contextlib.contextmanager
+def configured_hyperparameters(optimizer: torch.optim.Optimizer, scheduler):
+    """Restore saved optimizer and schedule state inside this block (momentum buffers, step
+    counts, position in the schedule); the config's hyper-parameters win afterwards: a resumed
+    run reads its config again, so `--set optimizer.lr=...` applies from the restored step on,
+    e.g. to continue below the lr at which a loss went NaN."""
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     base_lrs = list(scheduler.base_lrs)
-    optimizer.load_state_dict(saved_optimizer)
-    scheduler.load_state_dict(saved_scheduler)
+    yield
     scheduler.base_lrs = base_lrs
     for group, hyper, factor in zip(optimizer.param_groups, configured, scheduler.lr_lambdas):
         group.update(hyper)

@@ -24,9 +24,10 @@ CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 @dataclass(frozen=True)
 class RunPlan:
-    config: JobConfig  # resolved: no "auto" left
+    config: JobConfig  # resolved: no "auto" left but the strategy's units and replicas, which workers decide
     run_dir: str  # absolute local path or URI
     resume: bool
+    warnings: tuple[str, ...] = ()  # what the user should hear before the run starts
 
     @property
     def use_gpu(self) -> bool:
@@ -64,12 +65,17 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = F
     storage.check_writable(run_dir)
     if not config.script:
         tracking.check(config.tracking, run_dir)
-    return RunPlan(config, run_dir, resume)
+    warnings = ()
+    if config.strategy.sharded and config.scaling.workers == 1:
+        warnings = (f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
+                    "unsharded",)
+    return RunPlan(config, run_dir, resume, warnings)
 
 
 def resolve_auto(config: JobConfig) -> JobConfig:
     """Every `auto` decided: bf16, channels_last and NCCL with GPUs; fp32 and Gloo without, and
-    Gloo where workers share GPUs (NCCL refuses two ranks on one device)."""
+    Gloo where workers share GPUs (NCCL refuses two ranks on one device); FSDP's bf16 parameters
+    with bf16 training."""
     if config.script:  # Ray Train's own group only starts the workers; the script picks its backend
         return updated(config, {"scaling": {"backend": "gloo"}})
     gpu = config.scaling.gpus_per_worker > 0
@@ -88,7 +94,10 @@ def resolve_auto(config: JobConfig) -> JobConfig:
     if config.checkpoint.mode == "auto":
         metric = ckpt.get("metric", config.checkpoint.metric)
         ckpt["mode"] = "max" if metric.removeprefix("eval_") in HIGHER_IS_BETTER else "min"
-    return updated(config, {"train": train, "scaling": scaling, "checkpoint": ckpt})
+    strategy = {}
+    if config.strategy.mixed_precision == "auto":
+        strategy["mixed_precision"] = "bf16" if train.get("precision", config.train.precision) == "bf16" else "off"
+    return updated(config, {"train": train, "scaling": scaling, "checkpoint": ckpt, "strategy": strategy})
 
 
 def check_data_and_model(config: JobConfig) -> None:
@@ -100,6 +109,7 @@ def check_data_and_model(config: JobConfig) -> None:
 
     from raytrain_app.data import build_datasets, keep_on_device
     from raytrain_app.models import build_model
+    from raytrain_app.strategy import shard_units
     from raytrain_app.tasks import CustomStep, build_task, custom_metric_names, model_outputs
 
     if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.workers > 1:
@@ -115,6 +125,8 @@ def check_data_and_model(config: JobConfig) -> None:
     if len(data.eval) < workers:  # a rank without eval samples would have no sums to all-reduce
         raise UserError(f"the eval set ({len(data.eval)} samples) is smaller than the number of workers ({workers})")
     model = build_model(config.model, data.input_shape, model_outputs(task, data.train, data.num_classes))
+    if config.strategy.sharded:
+        shard_units(model, config.strategy.shard_modules)  # every name a module class of this model
     if isinstance(task, CustomStep):
         names = custom_metric_names(task, model, data.train)
         metric = config.checkpoint.metric

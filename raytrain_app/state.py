@@ -6,6 +6,9 @@ two parts: what every rank shares (weights, optimizer, schedule, loss scale, and
 training: completed epochs, optimizer steps, micro-batches done in the epoch under way, which is
 also where each rank's sampler restarts), saved by rank 0; and what each rank alone holds (its
 random streams, its running loss sums and time within the epoch), saved by every rank.
+
+Under FSDP/HSDP the weights and optimizer state are sharded: `sharded_state_dict()` holds them
+as DTensors for `torch.distributed.checkpoint`, and `state_dict()` the rest.
 """
 
 from __future__ import annotations
@@ -80,16 +83,18 @@ class TrainState:
     batch: int = 0  # micro-batches done in the epoch under way (non-zero only mid-epoch)
     totals: Optional[Totals] = None  # this rank's running train-loss sums in the epoch under way
     clock: EpochClock = field(default_factory=EpochClock)
+    sharded: bool = False  # the model is FSDP-sharded: weights and optimizer go through DCP
 
     def finish_epoch(self) -> None:
         self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
         self.clock.reset()
 
     def state_dict(self) -> dict:
-        """What every rank shares, saved once (by rank 0)."""
+        """What every rank shares, saved once (by rank 0); sharded weights and optimizer state
+        are in `sharded_state_dict` instead."""
+        weights = {} if self.sharded else {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **weights,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "epoch": self.epoch,
@@ -97,12 +102,38 @@ class TrainState:
             "batch": self.batch,
         }
 
-    def load_state_dict(self, saved: dict) -> None:
-        self.model.load_state_dict(saved["model"])
-        optim.load_state(self.optimizer, self.scheduler, saved["optimizer"], saved["scheduler"])
+    def load_state_dict(self, saved: dict, shards: Optional[str] = None) -> None:
+        """What `state_dict` gave, with the weights and optimizer state read from the DCP
+        directory `shards` when they were saved sharded."""
+        with optim.configured_hyperparameters(self.optimizer, self.scheduler):
+            if shards:
+                self._load_sharded(shards)
+            else:
+                self.model.load_state_dict(saved["model"])
+                self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
         if self.scaler and saved["scaler"]:
             self.scaler.load_state_dict(saved["scaler"])
         self.epoch, self.step, self.batch = saved["epoch"], saved["step"], saved["batch"]
+
+    def sharded_state_dict(self) -> dict:
+        """Weights and optimizer state keyed by parameter name, as this rank's DTensor shards."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def _load_sharded(self, path: str) -> None:
+        """Weights and optimizer state from a DCP directory written under any mesh: each rank
+        reads the pieces of the saved shards that its own shards (or a plain model's full
+        tensors) cover."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        wanted = self.sharded_state_dict()
+        dcp.load(wanted, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=wanted["model"],
+                       optim_state_dict=wanted["optimizer"])
 
     def rank_state_dict(self) -> dict:
         """What this rank alone holds, saved by every rank."""

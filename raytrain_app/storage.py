@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import re
+import tempfile
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -93,6 +96,19 @@ def download(path: str, local_path: str) -> None:
     if fs.get_file_info(p).type == pafs.FileType.Directory:
         os.makedirs(local_path, exist_ok=True)
     pafs.copy_files(p, local_path, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+
+
+@contextlib.contextmanager
+def local_copy(path: str) -> Iterator[str]:
+    """`path` itself when local, else a temporary local copy of it (removed afterwards), for
+    readers that take only local paths."""
+    if is_local(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        local = os.path.join(directory, posixpath.basename(path.rstrip("/")))
+        download(path, local)
+        yield local
 
 
 def checkpoint_uri(run_dir: str, checkpoint) -> str:

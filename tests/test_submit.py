@@ -155,15 +155,19 @@ def test_status_logs_and_stop_on_a_long_job(two_nodes):
     assert "STOPPED" in cli("status", job_id, "--cluster", profile_file).stdout
 
 
-def test_train_reuses_the_running_local_cluster(two_nodes, ray_cluster, tmp_path):
+def test_train_reuses_the_running_local_cluster_where_hsdp_replicates_across_its_nodes(two_nodes, ray_cluster,
+                                                                                       tmp_path):
     _, profile = two_nodes
     run_dir = tmp_path / "run"
-    proc = cli("train", "examples/digits.yaml", "--set", "train.epochs=1", "--run-dir", str(run_dir))
+    proc = cli("train", "examples/digits.yaml", "--set", "train.epochs=1", "--set", "strategy.name=hsdp",
+               "--run-dir", str(run_dir))
     assert proc.returncode == 0, proc.stderr
     assert f"using the running local cluster '{profile.name}'" in proc.stdout
     # The cluster's two 1-CPU nodes ran one rank each; an embedded cluster would have been one node.
-    nodes = {re.search(r"on node (\w+)", (run_dir / "logs" / f"rank-{r}.log").read_text()).group(1) for r in (0, 1)}
-    assert len(nodes) == 2
+    logs = [(run_dir / "logs" / f"rank-{r}.log").read_text() for r in (0, 1)]
+    assert len({re.search(r"on node (\w+)", log).group(1) for log in logs}) == 2
+    # HSDP's default mesh: one replica per node, each sharded over its node's one worker.
+    assert all("sharded over mesh (2, 1)" in log for log in logs)
     assert len(Dashboard.for_profile(profile).alive_nodes()) == 2  # joined, not stopped
 
     # A job its 1-CPU nodes cannot hold (3 workers, a 2-CPU worker, a GPU) gets an embedded cluster instead,

@@ -1,0 +1,65 @@
+"""FSDP2 on the real Ray cluster: a worker SIGKILLed mid-epoch resumes bitwise from its sharded
+checkpoint, the run then resumes on one worker (resharded), and its checkpoints export."""
+
+import re
+
+import pytest
+import torch
+
+from raytrain_app import checkpoint, export, load_model
+from raytrain_app.config import updated
+from raytrain_app.plan import make_plan
+from raytrain_app.trainer import run_training
+from tests.test_distributed import final_weights, run
+from tests.test_reliability import faulty, resumed_at
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+# Each Linear its own shard unit, then the root: the MLP's layers are not repeated blocks.
+FSDP = {"name": "fsdp", "shard_modules": ["Linear"]}
+
+
+def sharded_job(marker):
+    """As test_reliability's step-checkpointed run: step checkpoints every 5 steps, rank 1
+    SIGKILLed at its 40th forward (epoch 2, batch 17), one restart allowed."""
+    return faulty(marker, at=40, fault="kill", checkpoint={"every_steps": 5}, failure={"max_failures": 1},
+                  strategy=FSDP)
+
+
+def test_a_killed_fsdp_worker_resumes_bitwise_and_the_run_reshards_to_one_worker(tmp_path):
+    straight = run(sharded_job(tmp_path / "never"), tmp_path / "straight")
+    marker = tmp_path / "fault"
+    marker.touch()
+    killed = run(sharded_job(marker), tmp_path / "killed")
+    assert not marker.exists()  # the fault really happened
+    step, epoch, batch, _ = resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())
+    assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
+    assert "sharded over mesh (2,)" in (tmp_path / "killed" / "logs" / "rank-0.log").read_text()
+
+    # Each rank wrote its own shard, and no full copy of the weights exists anywhere.
+    final = tmp_path / "killed" / killed.final_checkpoint.rsplit("/", 1)[1]
+    assert sorted(p.name for p in (final / "shards").iterdir() if not p.name.endswith(".sha256")) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert "model" not in torch.load(final / "state.pt", weights_only=True)
+    for name, w in final_weights(straight).items():
+        assert torch.equal(final_weights(killed)[name], w), name
+    assert killed.metrics[-1]["train_loss"] == pytest.approx(straight.metrics[-1]["train_loss"], rel=1e-12)
+
+    # Exported: the consolidated weights, which a plain model loads into the same logits.
+    exported = export.export(str(tmp_path / "killed"), "pt")
+    model = load_model(str(tmp_path / "killed"))
+    plain = load_model(exported.manifest)
+    x = torch.randn(5, *checkpoint.loop_state(str(final))["input_shape"])
+    assert torch.equal(plain(x), model(x))
+
+    # One more epoch on one worker: DCP reads the two shards into a single unsharded model.
+    lines = []
+    one = updated(sharded_job(marker), {"train": {"epochs": 3}, "scaling": {"workers": 1}})
+    plan = make_plan(one, run_dir=str(tmp_path / "killed"), resume=True)
+    assert plan.warnings == ("strategy fsdp on one worker has nothing to shard over: training it unsharded",)
+    resumed = run_training(plan, echo=lines.append)
+    console = "\n".join(lines)
+    assert re.search(r"warning: resharded through torch.distributed.checkpoint from 2 workers under fsdp \(2,\) to "
+                     r"1 worker: the run goes on from the saved state, but is not bitwise", console)
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3] and resumed.metrics[-1]["world_size"] == 1
+    assert resumed.metrics[-1]["eval_accuracy"] >= killed.metrics[-1]["eval_accuracy"] - 0.02
