@@ -142,6 +142,10 @@ def _best(checkpoints: list, config: CheckpointConfig) -> tuple[Optional[ray.tra
     return pick(scored, key=lambda cm: cm[1][config.metric])
 
 
+# A poll interval the user set, which wins over ours.
+_USER_POLL_INTERVAL = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+
+
 def _ray_train_settings(config: JobConfig) -> None:
     """Settings Ray Train reads only from the driver's environment when a run starts (and passes on
     to its controller and workers)."""
@@ -151,9 +155,12 @@ def _ray_train_settings(config: JobConfig) -> None:
     # Workers stay where Ray started them, in a job's uploaded working_dir (or move to the launch
     # directory, see WorkerArgs.cwd), instead of Ray Train's per-run scratch directory.
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
-    # Ray Train polls its workers every 2 s by default, which adds up to that much to every start
-    # and finish; polling a handful of actors more often is cheap.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Ray Train's controller polls its workers every 2 s by default, and a worker's report (every
+    # epoch, every step checkpoint) waits until the controller has taken the one before: each
+    # costs up to a poll interval, as do the start and the finish. Polling a few workers often is
+    # cheap; a large group is polled at about 100 workers a second in all.
+    poll_s = min(0.5, max(0.1, 0.01 * config.scaling.workers))
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = _USER_POLL_INTERVAL or str(poll_s)
     # Ray Train sends what workers print to its own log as well as to stdout; a script's stdout
     # is already captured line by line (script.RankOutput), which would then see every line twice.
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"

@@ -89,7 +89,7 @@ def cases(d):
         ([DIGITS, "--set", "=3"], "bad --set expression"),
         ([DIGITS, "--set", "train.epochs=[1"], "the value is not valid YAML"),
         # models and datasets
-        ([DIGITS, "--set", "model.name=vgg"], "model.name: unknown name 'vgg'"),
+        ([DIGITS, "--set", "model.name=vgg"], "examples/digits.yaml: model.name: unknown name 'vgg'"),
         ([DIGITS, "--set", "model.name=nomodule:build"], "cannot import 'nomodule'"),
         ([DIGITS, "--set", "model.name=os:nothing_here"], "has no callable 'nothing_here'"),
         ([DIGITS, "--set", "model.args={depth: 3}"], "model.args.depth: unknown argument"),
@@ -110,6 +110,11 @@ def cases(d):
          "cannot take the data's inputs"),
         ([DIGITS, "--set", "data.name=tests.helpers:index_data", "--set", "data.args={}", "--set", "data.on_device=on",
           "--set", "model.name=mlp", "--set", "train.batch_size=2"], "on_device: on needs an in-memory dataset"),
+        # strategies (the rest of their rules: test_strategy, in-process)
+        ([DIGITS, "--set", "strategy.name=fsdp", "--set", "strategy.shard_modules=[Block]"],
+         "strategy.shard_modules: Block names no module of the model"),
+        ([DIGITS, "--set", "strategy.name=hsdp", "--set", "strategy.replicate_degree=3"],
+         "strategy.replicate_degree: 3 does not divide the 2 workers"),
         # tasks, losses, metrics and custom steps
         # tasks: their own rules are in test_config, the driver's checks in test_tasks (in-process)
         ([DIGITS, "--set", "task.name=tests.helpers:dict_step"], "failed on a batch of 2 training samples"),

@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,7 +16,6 @@ from raytrain_app.data.arrays import split
 from raytrain_app.data.parquet import DIGITS_FILE, read_table
 from tests.conftest import REPO
 
-TRACEBACK = "Traceback (most recent call last)"
 
 
 def cli(*args, timeout=300):
@@ -162,35 +160,14 @@ def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
     assert [r["epoch"] for r in rows] == list(range(1, 14))
 
 
-def test_a_crash_exits_1_naming_the_rank_and_its_error(tmp_path):
-    marker = tmp_path / "crash"
+def test_a_worker_killed_beyond_max_failures_exits_1_naming_the_rank_its_node_and_the_cause(tmp_path):
+    marker = tmp_path / "kill"
     marker.touch()
     proc = cli("train", "examples/digits.yaml", "--run-dir", str(tmp_path / "run"), "--set", "train.epochs=1",
                "--set", "model.name=tests.helpers:faulty_mlp",
-               "--set", f"model.args={{marker: '{marker}', at: 3}}")
+               "--set", f"model.args={{marker: '{marker}', at: 3, rank: 1, fault: kill}}")
     assert proc.returncode == 1, proc.stderr
-    assert re.fullmatch(r"training failed: rank \d: RuntimeError: injected crash(; rank \d: [^\n]*)?\n", proc.stderr)
-
-
-@pytest.mark.parametrize("args, message", [
-    (["train", "missing.yaml"], "config file not found: missing.yaml"),
-    (["train", "examples/digits.yaml", "--set", "train.epoch=3"], "train.epoch: unknown key (did you mean 'train.epochs'?)"),
-    (["train", "examples/digits.yaml", "--set", "train.epochs"], "bad --set expression"),
-    (["train", "examples/digits.yaml", "--workers", "0"], "scaling.workers: must be >= 1"),
-    (["train", "examples/digits.yaml", "--set", "train.precision=fp8"], "train.precision: must be one of"),
-    (["train", "examples/digits.yaml", "--set", "model.name=vgg"], "examples/digits.yaml: model.name: unknown name 'vgg'"),
-    (["train", "examples/digits.yaml", "--set", "model.name=nomodule:build"], "cannot import 'nomodule'"),
-    (["train", "examples/digits.yaml", "--set", "model.args.num_classes=5"], "labels range over [0, 9]"),
-    (["train", "examples/digits.yaml", "--set", "train.batch_size=2000"], "larger than a worker's shard"),
-    (["train", "examples/digits.yaml", "--resume", "--run-dir", "/nonexistent/run"], "no checkpoint to resume"),
-])
-def test_user_errors_are_one_line_and_exit_2(args, message):
-    start = time.monotonic()
-    proc = cli(*args, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and TRACEBACK not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert time.monotonic() - start < 30
+    assert re.fullmatch(r"training failed: rank 1 on node [\d.]+ \(pid \d+\): worker process died[^\n]*\n", proc.stderr)
 
 
 def test_an_unexpected_error_is_one_line_and_keeps_its_traceback(capsys):

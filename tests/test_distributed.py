@@ -98,11 +98,9 @@ def test_train_shards_are_disjoint_cover_the_data_and_reshuffle_each_epoch(tmp_p
         assert sorted(shards[0] + shards[1]) == list(range(20))
     assert epochs[0][0] != epochs[1][0]  # set_epoch gave a new order
 
-    # Per-rank seeding: each rank draws its own dropout masks, and the same ones in every run.
-    masks = {r: (out / f"dropout-{r}.txt").read_text() for r in (0, 1)}
-    again = recorded_run(tmp_path, "again")
-    assert masks[0] != masks[1]
-    assert all((again / f"dropout-{r}.txt").read_text() == masks[r] for r in (0, 1))
+    # Per-rank seeding: each rank draws its own dropout masks (that they are the same in every run,
+    # test_reliability's bitwise restarts of a dropout model show).
+    assert (out / "dropout-0.txt").read_text() != (out / "dropout-1.txt").read_text()
 
 
 def test_two_workers_match_one_worker_at_the_same_global_batch(table, tmp_path):
