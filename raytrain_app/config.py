@@ -218,7 +218,9 @@ class CheckpointConfig(Section):
 
 class ScalingConfig(Section):
     workers: int = Field(2, ge=1)
-    gpus_per_worker: float = Field(0.0, ge=0, allow_inf_nan=False)
+    gpus_per_worker: float = Field(0.0, ge=0, allow_inf_nan=False, description="a share of one GPU (workers share "
+                                                                             "it), or whole GPUs: a model builder "
+                                                                             "taking `devices` gets them all")
     cpus_per_worker: float = Field(1.0, gt=0, allow_inf_nan=False)
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl with a whole GPU per worker, "
                                                                          "gloo with shared GPUs or none")
@@ -234,6 +236,9 @@ class ScalingConfig(Section):
 
     @model_validator(mode="after")
     def _nccl_needs_gpus(self):
+        if self.gpus_per_worker > 1 and self.gpus_per_worker != int(self.gpus_per_worker):
+            raise ValueError(f"gpus_per_worker: {self.gpus_per_worker:g} GPUs cannot be given to one worker: a share "
+                             "below 1, or whole GPUs")
         if self.backend == "nccl" and self.gpus_per_worker == 0:
             raise ValueError("backend: nccl needs GPUs (gpus_per_worker is 0): use gloo or auto")
         # Ray packs fractional GPUs, so workers share a device, and NCCL refuses two ranks on one

@@ -70,23 +70,30 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
                     gpus_per_node: Optional[int] = None, cpus_per_node: Optional[int] = None,
                     workers_per_node: Optional[int] = None, name: Optional[str] = None,
                     overrides: Sequence[str] = (), check_builders: bool = True) -> Submission:
-    """Turn the cluster shape into workers (one per GPU, or `workers_per_node` per CPU node), check
-    on this machine what `train` would check on the cluster, and say what the job will carry."""
+    """Turn the cluster shape into workers (one per GPU, or per `scaling.gpus_per_worker` whole GPUs,
+    or `workers_per_node` per CPU node), check on this machine what `train` would check on the
+    cluster, and say what the job will carry."""
     nodes = profile.nodes if nodes is None else nodes
     gpus = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     cpus = profile.cpus_per_node if cpus_per_node is None else cpus_per_node
     for flag, value, least in (("--nodes", nodes, 1), ("--gpus-per-node", gpus, 0), ("--cpus-per-node", cpus, 1)):
         if value < least:
             raise UserError(f"{flag} must be >= {least}, got {value}")
-    if gpus and workers_per_node not in (None, gpus):
-        raise UserError("--workers-per-node is for CPU clusters; with GPUs there is one worker per GPU")
-    per_node = gpus or (workers_per_node or 1)
+    # A worker takes one GPU, or several for a model that spreads itself over them.
+    worker_gpus = max(1, int(config.scaling.gpus_per_worker)) if gpus else 0
+    if gpus and gpus % worker_gpus:
+        raise UserError(f"--gpus-per-node {gpus} does not split into workers of scaling.gpus_per_worker "
+                        f"{worker_gpus} GPUs")
+    if gpus and workers_per_node not in (None, gpus // worker_gpus):
+        raise UserError("--workers-per-node is for CPU clusters; with GPUs there is one worker per GPU (or per "
+                        "scaling.gpus_per_worker GPUs)")
+    per_node = gpus // worker_gpus if gpus else (workers_per_node or 1)
     if per_node < 1 or (not gpus and cpus < per_node):
         raise UserError(f"--workers-per-node {per_node} needs at least that many CPUs per node (--cpus-per-node {cpus})")
     shape = f"{nodes} nodes x {per_node} workers"
     scaling = {
         "workers": nodes * per_node,
-        "gpus_per_worker": 1.0 if gpus else 0.0,
+        "gpus_per_worker": float(worker_gpus),
         # CPU workers take a node's CPUs in equal parts, so exactly `per_node` fit on each node.
         "cpus_per_worker": config.scaling.cpus_per_worker if gpus else float(cpus // per_node),
         "placement": profile.placement,

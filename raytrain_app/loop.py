@@ -34,7 +34,7 @@ from raytrain_app.console import startup_phases
 from raytrain_app.config import JobConfig, TaskConfig
 from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
 from raytrain_app.metrics import EpochMetrics, Sums, Totals, global_max
-from raytrain_app.models import build_model
+from raytrain_app.models import build_model, places_itself
 from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.reporter import Reporter
@@ -89,8 +89,8 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
     data = build_datasets(job.data)
     task = build_task(job.task)
     outputs = model_outputs(task, data.train, data.num_classes)
-    model = build_model(job.model, data.input_shape, outputs)
-    parallel = parallelize(model, job, world_size, node, device, report.warn)
+    model = build_model(job.model, data.input_shape, outputs, ray.train.torch.get_devices())
+    parallel = parallelize(model, job, world_size, node, device, report.warn, placed=places_itself(job.model))
     seed_everything(job.seed + rank)
 
     # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.

@@ -52,17 +52,19 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, device: torch.device,
-                warn: Callable[[str], None]) -> Parallel:
-    """`node`: this worker's node (Ray's node id), for HSDP's one replica per node."""
+                warn: Callable[[str], None], placed: bool = False) -> Parallel:
+    """`node`: this worker's node (Ray's node id), for HSDP's one replica per node. `placed`: the
+    model has put its layers on the worker's devices itself (see `models.places_itself`)."""
     tc, st = job.train, job.strategy
-    model, memory_format = place(model, tc, world_size, device)
+    model, memory_format = place(model, tc, world_size, None if placed else device)
     mesh = None
     if st.sharded and world_size > 1:
         ranks = mesh_ranks(st, world_size, node)
         mesh = tuple(ranks.shape)
         wrapped = shard(model, st, ranks, device)
     elif world_size > 1:
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+        # device_ids=None: a model on several devices (or the CPU) is not DDP's to place.
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" and not placed else None,
                       bucket_cap_mb=tc.ddp_bucket_cap_mb, gradient_as_bucket_view=True,
                       static_graph=tc.ddp_static_graph)
     else:
@@ -154,8 +156,9 @@ def _fsdp_no_sync(model: nn.Module):
 
 
 def place(model: nn.Module, tc: TrainConfig, world_size: int,
-          device: torch.device) -> tuple[nn.Module, torch.memory_format]:
-    """The bare model on its device, with SyncBatchNorm across ranks and its memory format."""
+          device: Optional[torch.device]) -> tuple[nn.Module, torch.memory_format]:
+    """The bare model on its device (None: where it is), with SyncBatchNorm across ranks and its
+    memory format."""
     if tc.sync_batchnorm and world_size > 1:  # batch statistics over the global batch, not each rank's
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # channels_last lets cuDNN pick its fastest convolution kernels; it matters only for conv nets.

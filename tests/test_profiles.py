@@ -50,6 +50,15 @@ def test_gpu_cluster_gets_one_nccl_worker_per_gpu():
     assert sub.runtime_env["pip"] == ["raytrain-app"]
 
 
+def test_workers_with_several_gpus_each_split_the_nodes_gpus():
+    """The model-parallel example: 2 GPUs per worker, so a 4-GPU node holds 2 workers."""
+    job = load_config("examples/model_parallel/job.yaml")
+    sub = plan_submission(load_profile("cluster/aws-gpu.yaml"), job, nodes=2, gpus_per_node=4)
+    assert (sub.config.scaling.workers, sub.config.scaling.gpus_per_worker) == (4, 2.0)
+    with pytest.raises(UserError, match="--gpus-per-node 3 does not split into workers of scaling.gpus_per_worker 2"):
+        plan_submission(load_profile("cluster/aws-gpu.yaml"), job, nodes=2, gpus_per_node=3)
+
+
 def test_cpu_cluster_flags_override_the_profile():
     profile = load_profile("cluster/local-2node.yaml")
     sub = plan_submission(profile, load_config("examples/digits.yaml"), nodes=2, gpus_per_node=0, cpus_per_node=4,

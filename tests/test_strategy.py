@@ -1,5 +1,6 @@
 """FSDP2 and HSDP on real two-rank Gloo groups, without Ray: the same training as DDP, sharded
-checkpoints that restore exactly and reshard, and the checks that refuse what cannot work."""
+checkpoints that restore exactly and reshard, a model placed over its worker's devices, and the
+checks that refuse what cannot work."""
 
 import json
 from pathlib import Path
@@ -9,10 +10,11 @@ import torch
 import torch.distributed as dist
 
 from raytrain_app import checkpoint
-from raytrain_app.config import JobConfig, OptimizerConfig, ScheduleConfig, StrategyConfig
+from raytrain_app.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig, ScheduleConfig, StrategyConfig
+from raytrain_app.data import build_datasets, train_loader
 from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_epoch
-from raytrain_app.models import build_model
+from raytrain_app.models import build_model, places_itself
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.plan import make_plan, resolve_auto
 from raytrain_app.state import TrainState
@@ -184,6 +186,31 @@ def test_shard_units_are_the_repeated_blocks_or_the_named_classes():
         shard_units(model, ["Blok"])
 
 
+def _split(rank: int, out_dir: str) -> None:
+    """The model-parallel example's LeNet, given the CPU twice as its devices, against the plain
+    LeNet it splits: both under DDP (device_ids=None for the placed one), the same steps."""
+    config = JobConfig.from_dict({"model": {"name": "examples.model_parallel.model:build"}, "scaling": {"workers": 2}})
+    data = build_datasets(DataConfig(name="digits", args={"resize": 28}))
+    batches = [batch for batch, _ in zip(train_loader(data, 16, rank, 2, 0, 0, False)[0], range(4))]
+    weights = []
+    for model_config, devices in ((config.model, [CPU, CPU]), (ModelConfig(name="lenet"), None)):
+        seed_everything(0)
+        model = build_model(model_config, data.input_shape, 10, devices)
+        parallel = parallelize(model, config, 2, "one node", CPU, print, placed=places_itself(model_config))
+        assert parallel.train_model.device_ids is None
+        opt = build_optimizer(parallel.model.parameters(), OptimizerConfig(lr=0.05), 2)
+        state = TrainState(parallel.model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 4, 1), None)
+        train_epoch(Step(parallel.train_model, Precision("fp32", CPU)), batches, state)
+        weights.append([p.detach() for p in parallel.model.parameters()])
+    same = all(torch.equal(a, b) for a, b in zip(*weights))
+    (Path(out_dir) / f"rank{rank}").write_text(str(same and places_itself(config.model)))
+
+
+def test_a_model_that_places_itself_on_its_devices_trains_under_ddp_as_the_whole_model(tmp_path):
+    spawn(_split, str(tmp_path))
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"strategy": {"name": "hsdp", "replicate_degree": 3}, "scaling": {"workers": 4}},
      "strategy.replicate_degree: 3 does not divide the 4 workers"),
@@ -205,6 +232,9 @@ def test_plan_checks_shard_modules_and_warns_for_one_worker(tmp_path):
     with pytest.raises(UserError, match="strategy.shard_modules: Layer names no module of the model"):
         make_plan(JobConfig.from_dict({**config, "strategy": {"name": "fsdp", "shard_modules": ["Layer"]}}),
                   str(tmp_path / "a"))
+    with pytest.raises(UserError, match="strategy fsdp: the model places its own layers"):
+        make_plan(JobConfig.from_dict({"model": {"name": "examples.model_parallel.model:build"},
+                                       "strategy": {"name": "fsdp"}}), str(tmp_path / "c"))
     plan = make_plan(JobConfig.from_dict({**config, "strategy": {"name": "fsdp"}, "scaling": {"workers": 1}}),
                      str(tmp_path / "b"))
     assert plan.warnings == ("strategy fsdp on one worker has nothing to shard over: training it unsharded",)

@@ -1,11 +1,17 @@
 """Built-in models and the `model:` config entry.
 
 Builders receive `input_shape` and `num_classes` from the dataset when their signature asks for
-them, so `model: {name: lenet}` fits MNIST, CIFAR-10 and the digits alike.
+them, so `model: {name: lenet}` fits MNIST, CIFAR-10 and the digits alike. A builder that asks
+for `devices` gets the worker's devices (several with `scaling.gpus_per_worker: 2` and more) and
+places its layers on them itself: model parallelism inside one data-parallel worker.
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Optional, Sequence
+
+import torch
 from torch import nn
 
 from raytrain_app import registry
@@ -19,9 +25,17 @@ from raytrain_app.models.resnet import resnet18
 BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
 
 
-def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    context = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int,
+                devices: Optional[Sequence[torch.device]] = None) -> nn.Module:
+    context = {"input_shape": tuple(input_shape), "num_classes": num_classes,
+               "devices": list(devices or [torch.device("cpu")])}
     model = registry.build(config.name, config.args, BUILTINS, "model", context)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model: '{registry.label(config.name)}' returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def places_itself(config: ModelConfig) -> bool:
+    """The builder takes `devices`: it puts its layers on them, so nothing moves the model as a
+    whole, and its forward returns on devices[0], where the batches (and labels) are."""
+    return "devices" in inspect.signature(registry.resolve(config.name, BUILTINS, "model.name")).parameters
