@@ -77,14 +77,14 @@ def job_config(config: Union[str, Path, dict, JobConfig], overrides: Sequence[st
     return "<config>", with_overrides(raw, overrides)
 
 
-def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None):
+def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None, devices: Optional[Sequence] = None):
     """The trained model, weights loaded and in eval mode, from a checkpoint directory, a run
     directory (its newest checkpoint), or an export (`raytrain-app export`: its model.json, its
     weights file, or their directory); local paths or URIs.
 
     The model is rebuilt from the config and input shape saved in the checkpoint (or model.json);
     `model` is the builder to use instead of the saved name (needed when training was given a
-    notebook's function).
+    notebook's function); `devices` go to a builder that places its own layers (default: the CPU).
     """
     from raytrain_app import checkpoint, export
     from raytrain_app.models import build_model
@@ -97,6 +97,6 @@ def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None):
         raise UserError(f"{directory} was written by an older raytrain-app that did not record the model's inputs")
     config = JobConfig.from_dict(saved["config"], source=directory).model
     built = build_model(config.model_copy(update={"name": model}) if model else config, saved["input_shape"],
-                        saved["num_classes"])
+                        saved["num_classes"], devices)
     built.load_state_dict(saved["model"])
     return built.eval()

@@ -46,9 +46,8 @@ def save(directory: str, rank: int, state: TrainState, about: dict) -> None:
     if state.sharded:
         import torch.distributed.checkpoint as dcp
 
-        before = set(_listing(directory))
         dcp.save(state.sharded_state_dict(), checkpoint_id=os.path.join(directory, SHARDS))
-        for name in sorted(set(_listing(directory)) - before):  # this rank's files; checksums as for the others
+        for name in _listing(directory):  # this rank's files (its own directory); checksums as for the others
             _write_checksum(os.path.join(directory, name))
     if rank == 0:
         _write(directory, STATE_FILE, {**state.state_dict(), **about})
@@ -60,21 +59,39 @@ def restore_latest_good(latest, state: TrainState, rank: int, device: torch.devi
     """Restore the newest checkpoint that verifies, newest first; returns its URI and the layout
     (world size, strategy, mesh) it was written under.
 
-    Every rank walks the same list in the same order, so all ranks agree on the one they load.
+    Every rank walks the same list in the same order, and a checkpoint is taken only when every
+    rank verified and loaded its part: ranks that resumed from different checkpoints would train
+    apart, and under sharding would mix shards or wait on each other's collectives.
     """
     for candidate in [latest, *_older_than(latest)]:
         uri = storage.checkpoint_uri(run_dir, candidate)
+        layout = None
         with candidate.as_directory() as directory:
             problem = verify(directory, rank)
-            if problem is None:
+            if _everywhere(problem is None, device):
                 try:
-                    return uri, load_into(directory, state, rank, device)
+                    layout = load_into(directory, state, rank, device)
                 except UserError:
                     raise
                 except Exception as e:  # weights_only refuses code; a torn file fails to parse
                     problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        warn(f"skipping checkpoint {uri}: {problem}")
+            else:
+                problem = problem or "another rank's part of it is damaged"
+        if _everywhere(layout is not None, device):
+            return uri, layout
+        warn(f"skipping checkpoint {uri}: {problem or 'another rank could not load its part'}")
     raise RuntimeError(f"no usable checkpoint: every checkpoint in {run_dir} is damaged")
+
+
+def _everywhere(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank (alone: whether it holds here)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def verify(directory: str, rank: int) -> Optional[str]:
@@ -112,8 +129,12 @@ def find(path: str) -> str:
 def load_state(checkpoint_dir: str) -> dict:
     """Rank 0's training state from a checkpoint directory (a local path or a URI), with the
     model's full weights under "model", consolidated from the shards of a sharded run."""
+    return with_weights(checkpoint_dir, _read_state(checkpoint_dir))
+
+
+def _read_state(checkpoint_dir: str) -> dict:
     data = storage.read_bytes(storage.join(checkpoint_dir, STATE_FILE))
-    return with_weights(checkpoint_dir, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def with_weights(checkpoint_dir: str, saved: dict) -> dict:
@@ -123,8 +144,9 @@ def with_weights(checkpoint_dir: str, saved: dict) -> dict:
 
 def model_weights(checkpoint_dir: str) -> dict:
     """A sharded checkpoint's model weights as one full state dict on this process's CPU, read
-    shard by shard with DCP (no process group, no GPU); the optimizer state is not read. The
-    tensors to fill are made from DCP's own index, so no model needs to be built first."""
+    shard by shard with DCP (no process group, no GPU); the optimizer state is not read (of a
+    remote checkpoint, the shards are downloaded whole first). The tensors to fill are made from
+    DCP's own index, so no model needs to be built first."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -204,7 +226,7 @@ def loop_state(directory: str) -> dict:
     checkpoint from before input shapes were recorded cannot rebuild its model."""
     try:
         if "://" in directory:
-            saved = load_state(directory)
+            saved = _read_state(directory)
         else:
             saved = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu",
                                weights_only=True, mmap=True)

@@ -84,7 +84,6 @@ def evaluate_per_worker(job_data: dict, directory: str, data_set: str, out: str)
     import ray.train
     import ray.train.torch
 
-    from raytrain_app.api import load_model
     from raytrain_app.data import build_datasets, eval_loader
     from raytrain_app.loop import Precision, Step, evaluate
     from raytrain_app.tasks import build_task
@@ -99,7 +98,7 @@ def evaluate_per_worker(job_data: dict, directory: str, data_set: str, out: str)
         if hasattr(data.eval, "augment"):
             data.eval.augment = False
     task = build_task(job.task)
-    model = load_model(directory, _builder(job)).to(device)
+    model = _model_on(directory, job, ray.train.torch.get_devices())
     loader = eval_loader(data, job.train.eval_batch_size, ctx.get_world_rank(), ctx.get_world_size(), 0,
                          device.type == "cuda")
     metrics = evaluate(model, loader, Step(model, Precision(job.train.precision, device), device=device, task=task))
@@ -149,12 +148,11 @@ def predict_row_groups(job_data: dict, directory: str, input_path: str, spec: "I
     import pyarrow.parquet as pq
     import torch
 
-    from raytrain_app.api import load_model
-
     job = JobConfig.from_dict(job_data)
-    # Ray hides the GPUs from a task that asked for none, so this is the task's own GPU or the CPU.
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(directory, _builder(job)).to(device)
+    # Ray hides the GPUs from a task that asked for none, so these are the task's own GPUs or the CPU.
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+    device = devices[0]
+    model = _model_on(directory, job, devices)
     fs, path = storage.filesystem_for(input_path)
     source = pq.ParquetFile(fs.open_input_file(path))
     starts = np.cumsum([0] + [source.metadata.row_group(g).num_rows for g in range(source.metadata.num_row_groups)])
@@ -181,6 +179,16 @@ def predict_row_groups(job_data: dict, directory: str, input_path: str, spec: "I
         buffer = io.BytesIO()
         pq.write_table(pa.concat_tables(pieces), buffer)
         storage.write_bytes(storage.join(parts, f"{g:06d}.parquet"), buffer.getvalue())
+
+
+def _model_on(directory: str, job: JobConfig, devices: list):
+    """The checkpoint's model, in eval mode, on this worker's devices: a model that places its own
+    layers gets them all, as in training; any other goes whole to the first."""
+    from raytrain_app.api import load_model
+    from raytrain_app.models import places_itself
+
+    model = load_model(directory, _builder(job), devices)
+    return model if places_itself(job.model) else model.to(devices[0])
 
 
 def _builder(job: JobConfig):

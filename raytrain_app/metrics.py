@@ -199,7 +199,10 @@ class EpochMetrics:
     def __init__(self, model: nn.Module, input_shape: tuple[int, ...], precision: str, device: torch.device,
                  world_size: int):
         self.model, self.input_shape, self.device, self.world_size = model, input_shape, device, world_size
-        self.sync_s = allreduce_seconds(sum(p.numel() for p in model.parameters() if p.requires_grad), device)
+        # A sharded parameter counts its local shard: calibrating with the whole model's size would
+        # allocate it on one device, which is what sharding avoids.
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if p.requires_grad]
+        self.sync_s = allreduce_seconds(sum(p.numel() for p in local), device)
         self.peak = peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
         self.flops_per_sample: Optional[float] = None
 

@@ -45,8 +45,10 @@ def configured_hyperparameters(optimizer: torch.optim.Optimizer, scheduler):
     e.g. to continue below the lr at which a loss went NaN."""
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     base_lrs = list(scheduler.base_lrs)
-    yield
-    scheduler.base_lrs = base_lrs
-    for group, hyper, factor in zip(optimizer.param_groups, configured, scheduler.lr_lambdas):
-        group.update(hyper)
-        group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
+    try:
+        yield
+    finally:  # also after a load that failed midway: the next checkpoint tried must see the config's values
+        scheduler.base_lrs = base_lrs
+        for group, hyper, factor in zip(optimizer.param_groups, configured, scheduler.lr_lambdas):
+            group.update(hyper)
+            group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)

@@ -56,9 +56,12 @@ def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, de
     """`node`: this worker's node (Ray's node id), for HSDP's one replica per node. `placed`: the
     model has put its layers on the worker's devices itself (see `models.places_itself`)."""
     tc, st = job.train, job.strategy
-    model, memory_format = place(model, tc, world_size, None if placed else device)
+    sharded = st.sharded and world_size > 1
+    # A sharded model stays where it was built (the CPU): fully_shard moves each unit to the
+    # mesh's device as it shards it, so a GPU holds at most one unit whole, never the model.
+    model, memory_format = place(model, tc, world_size, None if placed or sharded else device)
     mesh = None
-    if st.sharded and world_size > 1:
+    if sharded:
         ranks = mesh_ranks(st, world_size, node)
         mesh = tuple(ranks.shape)
         wrapped = shard(model, st, ranks, device)

@@ -129,16 +129,20 @@ def _save_and_restore(rank: int, out_dir: str) -> None:
         p.data.add_(1.0)
     for moments in fresh.optimizer.state.values():
         moments["exp_avg"].zero_()
+        moments["exp_avg_sq"].zero_()
+    fresh.step = 0
     checkpoint.load_into(str(merged), fresh, rank, CPU)
     same = torch.equal(torch.rand(3), expected) and fresh.epoch == 1 and fresh.step == state.step
     for (name, a), b in zip(parallel.model.state_dict().items(), fresh_parallel.model.state_dict().values()):
         same = same and torch.equal(a.to_local(), b.to_local())
     optimizer = state.sharded_state_dict()["optimizer"]["state"]
     restored = fresh.sharded_state_dict()["optimizer"]["state"]
-    same = same and all(torch.equal(optimizer[k]["exp_avg"].to_local(), restored[k]["exp_avg"].to_local())
-                        for k in optimizer)
+    same = same and all(torch.equal(optimizer[k][m].to_local(), restored[k][m].to_local())
+                        for k in optimizer for m in ("exp_avg", "exp_avg_sq"))
     full = {k: v.full_tensor().tolist() for k, v in parallel.model.state_dict().items()}
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"same": same, "weights": full}))
+    moments = {k: v["exp_avg_sq"].full_tensor().tolist() for k, v in optimizer.items()}
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"same": same, "weights": full,
+                                                                 "exp_avg_sq": moments}))
 
 
 def test_a_sharded_checkpoint_restores_exactly_reshards_and_consolidates(tmp_path):
@@ -168,7 +172,18 @@ def test_a_sharded_checkpoint_restores_exactly_reshards_and_consolidates(tmp_pat
     checkpoint.load_into(str(merged), state, 0, CPU)
     for key, value in alone.state_dict().items():
         assert torch.equal(value, full[key]), key
-    assert state.step == 3 and len(opt.state) == len(list(alone.parameters()))
+    restored = state.sharded_state_dict()["optimizer"]["state"]
+    for key, value in ranks[0]["exp_avg_sq"].items():
+        assert torch.equal(restored[key]["exp_avg_sq"], torch.tensor(value)), key
+    assert state.step == 3
+
+    # A checkpoint written unsharded cannot be resumed sharded: one line, no half-loaded state.
+    unsharded = tmp_path / "unsharded"
+    unsharded.mkdir()
+    checkpoint.save(str(unsharded), 0, state, about={})
+    state.sharded = True
+    with pytest.raises(UserError, match="a checkpoint written without sharding cannot be resumed under strategy"):
+        checkpoint.load_into(str(unsharded), state, 0, CPU)
 
     # A damaged shard is caught by its checksum, on every rank.
     with open(merged / "shards" / "__1_0.distcp", "r+b") as f:

@@ -27,8 +27,9 @@ BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
 
 def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int,
                 devices: Optional[Sequence[torch.device]] = None) -> nn.Module:
-    context = {"input_shape": tuple(input_shape), "num_classes": num_classes,
-               "devices": list(devices or [torch.device("cpu")])}
+    context = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    if places_itself(config):  # only to a builder that names it: one taking **kwargs may pass them on
+        context["devices"] = list(devices or [torch.device("cpu")])
     model = registry.build(config.name, config.args, BUILTINS, "model", context)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model: '{registry.label(config.name)}' returned {type(model).__name__}, not a torch.nn.Module")
