@@ -23,6 +23,7 @@ import json
 import os
 import posixpath
 import sys
+import warnings
 from typing import Callable, Optional
 
 import pyarrow.fs as pafs
@@ -156,7 +157,9 @@ def model_weights(checkpoint_dir: str) -> dict:
         weights = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
                    for key, meta in index.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
         loaded = {"model": weights}
-        dcp.load(loaded, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # DCP's notice that it loads in one process: that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(loaded, storage_reader=reader, no_dist=True)
     return loaded["model"]
 
 
