@@ -338,7 +338,9 @@ def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig) -> 
         return UserError(last_line(next(iter(failures.values()))))
     if not failures:
         return TrainingFailed(describe(getattr(error, "controller_failure", error)))
-    clauses = [describe_rank(rank, e) for rank, e in sorted(failures.items())]
+    # A rank whose process died is the cause; its peers' Gloo/NCCL connection errors follow from it.
+    ranked = sorted(failures.items(), key=lambda item: (not process_died(item[1]), item[0]))
+    clauses = [describe_rank(rank, e) for rank, e in ranked]
     waiting = sorted(rank for rank, e in failures.items() if timed_out(e))
     if waiting:
         stalled = sorted(set(range(config.scaling.workers)) - set(failures))

@@ -17,7 +17,7 @@ from raytrain_app import checkpoint
 from raytrain_app.errors import TrainingFailed
 from raytrain_app.plan import make_plan
 from raytrain_app.state import TrainState
-from raytrain_app.trainer import run_training
+from raytrain_app.trainer import explain_failure, run_training
 from tests.test_distributed import final_weights, job, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -124,6 +124,25 @@ def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(tmp_path):
     started_after = float(re.search(r"first step after ([\d.]+)s", "\n".join(lines)).group(1))
     # Two steps, then rank 1 stalls: rank 0 gives up 5 s later, and Ray stops the worker group.
     assert 5 <= failed_after - started_after <= 5 + STALL_SLACK_S, (started_after, failed_after)
+
+
+def test_a_dead_worker_is_named_before_the_peers_its_death_broke():
+    """Which rank Ray reports first is a race; the dead process is the cause either way."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    died = ActorDiedError(ActorDiedErrorContext(
+        error_message="The actor is dead because its worker process has died. Worker exit detail: "
+                      "Worker unexpectedly exits with a connection error code 2. End of file.",
+        pid=4242, node_ip_address="10.0.0.7", actor_id=b"\x01" * 16))
+    broken = RuntimeError("Traceback (most recent call last):\n  ...\n"
+                          "RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error [10.0.0.7]:1234: Connection reset")
+    error = WorkerGroupError("Training failed.", {0: broken, 1: died})
+    message = str(explain_failure(error, job()))
+    assert re.fullmatch(r"rank 1 on node 10\.0\.0\.7 \(pid 4242\): worker process died: Worker unexpectedly "
+                        r"exits with a connection error code 2\. End of file\.; rank 0: RuntimeError: .*Connection reset",
+                        message), message
 
 
 # Detecting a failed worker (Ray Train polls every 0.5 s), stopping the worker group and two
