@@ -239,14 +239,16 @@ def _input_spec(loaded: Loaded, input_path: str) -> InputSpec:
         source = pq.ParquetFile(fs.open_input_file(path))
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"--input {input_path} is not a readable Parquet file: {storage.explain(e)}") from None
-    features = job.data.args.get("features", "image")
+    meta = source.schema_arrow.metadata or {}
+    features = job.data.args.get("features") or (json.loads(meta[b"raytrain.features"]) if b"raytrain.features" in meta
+                                                 else "image")
     names = source.schema_arrow.names
     missing = [c for c in ([features] if isinstance(features, str) else features) if c not in names]
     if missing:
         raise UserError(f"--input {input_path} has no column '{missing[0]}', which the model was trained on "
                         f"(columns: {', '.join(names)})")
     input_shape = loaded.input_shape
-    stored = (source.schema_arrow.metadata or {}).get(b"raytrain.shape")
+    stored = meta.get(b"raytrain.shape")
     shape = job.data.args.get("shape") or (json.loads(stored) if stored else input_shape)
     spec = InputSpec(features if isinstance(features, str) else tuple(features), tuple(shape),
                      job.data.args.get("resize", 0))

@@ -112,18 +112,22 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
                 parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite), task)
     epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
     # What each checkpoint holds besides the state: the config, what the model was built for
-    # (`raytrain_app.load_model` rebuilds it from these), and the layout it was trained under.
+    # (`raytrain_app.load_model` rebuilds it from these), and the layout it was trained under,
+    # with a streamed dataset's row groups, which its position within an epoch refers to.
     layout = {"world_size": world_size, "strategy": job.strategy.name if parallel.mesh else "ddp",
-              "mesh": list(parallel.mesh or ())}
+              "mesh": list(parallel.mesh or ()), "data": getattr(data.train, "fingerprint", None)}
     about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs, "layout": layout}
     if ray.train.get_checkpoint():
         restored, saved_layout = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device,
                                                                 run_dir, report.warn)
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
-        if saved_layout and saved_layout != layout:
+        if saved_layout and any(saved_layout[k] != layout[k] for k in ("world_size", "strategy", "mesh")):
             how = " through torch.distributed.checkpoint" if saved_layout["mesh"] else ""
             report.warn(f"resharded{how} from {describe_layout(saved_layout)} to {describe_layout(layout)}: the run "
                         "goes on from the saved state, but is not bitwise the run it would have been")
+        if saved_layout and saved_layout.get("data") != layout["data"] and state.batch:
+            report.warn("the streamed dataset's files changed since the checkpoint: the epoch under way goes on "
+                        "over the new row groups from the same batch, not exactly as it would have")
     trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
     after_step = AfterStep(job, about, rank, step.loss_check, report, trackers, {**marks, "ready": time.time()})
 

@@ -118,6 +118,10 @@ def check_data_and_model(config: JobConfig) -> None:
     data = build_datasets(config.data)
     keep_on_device(data, config.data.on_device, torch.device("cpu"))  # `on` needs an in-memory dataset
     workers = config.scaling.workers
+    buffer = getattr(data.train, "buffer_rows", None)  # a stream's
+    if buffer is not None and buffer < config.train.batch_size:
+        raise UserError(f"data.args.buffer_rows ({buffer}) is smaller than train.batch_size "
+                        f"({config.train.batch_size}): the stream shuffles whole batches within its buffer")
     shard = len(data.train) // workers
     if config.train.batch_size > shard:
         raise UserError(f"train.batch_size {config.train.batch_size} is larger than a worker's shard "

@@ -35,6 +35,14 @@ def files(tmp_path_factory):
     pq.write_table(pa.table({"image": [[1.0, 2.0]] * 4, "label": [0, 1, 2, 3]}), d / "tiny.parquet")
     pq.write_table(pa.table({"image": [[1.0, 2.0]] * 8, "label": ["a"] * 8}), d / "strlabels.parquet")
     (d / "notparquet.parquet").write_text("this is not parquet")
+    (d / "mixed").mkdir()
+    pq.write_table(pa.table({"image": pa.array([[1.0, 2.0]] * 8, pa.list_(pa.float32())), "label": [0, 1] * 4}),
+                   d / "mixed" / "a.parquet")
+    pq.write_table(pa.table({"image": pa.array([[1.0, 2.0]] * 8, pa.list_(pa.float64())), "label": [0, 1] * 4}),
+                   d / "mixed" / "b.parquet")
+    (d / "many").mkdir()
+    pq.write_table(pa.table({"image": [[1.0, 2.0]] * 64, "label": [0, 1] * 32}), d / "many" / "a.parquet",
+                   row_group_size=8)
     (d / "not_python.py").write_text("train:\n  epochs: 3\n")  # a YAML job named .py
     (d / "script.py").write_text("print('trained')\n")
     rows = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
@@ -100,6 +108,12 @@ def cases(d):
         (parquet("empty.parquet"), "dataset is empty"),
         (parquet("notparquet.parquet"), "not a readable Parquet file"),
         (parquet("strlabels.parquet"), "must hold numbers or lists of numbers"),
+        (parquet("*.nomatch"), "the pattern matches no Parquet file"),
+        (parquet("mixed"), "files have different schemas: b.parquet has image: list<element: double>, a.parquet has "
+                           "image: list<element: float>"),
+        ([DIGITS, "--set", "data.name=parquet", "--set", "model.name=mlp", "--set", "train.batch_size=16", "--set",
+          f"data.args={{path: '{d / 'many'}', streaming: true, buffer_rows: 10}}"],
+         "data.args.buffer_rows (10) is smaller than train.batch_size (16)"),
         (parquet("wide_labels.parquet", "--set", "model.args={num_classes: 10}", "--set", "train.batch_size=4"),
          "but the model has 10 outputs"),
         ([DIGITS, "--set", "model.args.num_classes=5"], "labels range over [0, 9]"),

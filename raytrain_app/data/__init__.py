@@ -8,6 +8,8 @@ over ranks every eval sample counts exactly once whatever the dataset size.
 Batches come either from a DataLoader (host memory, optional worker processes, pinned copies)
 or, for in-memory datasets that fit, straight from the device (`DeviceBatches`): on a GPU a
 small model's step is shorter than the DataLoader's per-batch overhead, so the data moves once.
+Parquet read with `streaming: true` comes a window at a time (`StreamBatches`, in stream.py),
+which shards, shuffles and resumes by itself.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from raytrain_app import registry
 from raytrain_app.config import DataConfig
 from raytrain_app.data.arrays import ArrayDataset, DeviceBatches
 from raytrain_app.data.parquet import digits, parquet
+from raytrain_app.data.stream import ParquetStream, StreamBatches
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.data.text import TokenBlocks, text
 from raytrain_app.data.vision import cifar10, fashion_mnist, mnist
@@ -73,7 +76,8 @@ def normalization(config: DataConfig) -> Optional[tuple[torch.Tensor, torch.Tens
     (export records them, predict applies them); None where inputs are not normalised (token
     ids, a user's own dataset). Builds the datasets: checkpoints do not hold these."""
     train = build_datasets(config).train
-    return (train.mean.float().cpu(), train.std.float().cpu()) if isinstance(train, ArrayDataset) else None
+    normalised = isinstance(train, (ArrayDataset, ParquetStream))
+    return (train.mean.float().cpu(), train.std.float().cpu()) if normalised else None
 
 
 def _num_classes(*datasets: Dataset) -> int:
@@ -149,7 +153,7 @@ def loader_workers(setting: Optional[int], ds: Datasets, cpus_per_worker: float)
     in-memory datasets (a batch is one indexing op), else one per spare CPU, at most 4."""
     if setting is not None:
         return setting
-    if isinstance(ds.train, BATCHED):
+    if isinstance(ds.train, (*BATCHED, ParquetStream)):  # a stream reads ahead in a thread of its own
         return 0
     return max(0, min(4, int(cpus_per_worker) - 1))
 
@@ -174,10 +178,15 @@ def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed
                  resident: bool = False):
     """This rank's training batches and their sampler (for `set_epoch` and mid-epoch `skip`);
     `resident`: `ds` is already on the device (`to_device`) and batches are cut there."""
+    if isinstance(ds.train, ParquetStream):
+        batches = StreamBatches(ds.train, batch_size, rank, world_size, seed, train=True)
+        return batches, batches
     sampler = TrainShard(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank, resident), sampler
 
 
 def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool,
                 resident: bool = False):
+    if isinstance(ds.eval, ParquetStream):
+        return StreamBatches(ds.eval, batch_size, rank, world_size, 0, train=False)
     return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin, 0, resident)

@@ -101,13 +101,17 @@ def make_pair(
         raise UserError(f"dataset is empty: {len(y_train)} training and {len(y_eval)} eval samples")
     if resize:
         x_train, x_eval = resize_images(x_train, resize), resize_images(x_eval, resize)
-    dims = [0] + list(range(2, x_train.dim())) if x_train.dim() > 2 else [0]
-    sample = x_train[: 50_000].float()
-    mean = sample.mean(dim=dims, keepdim=True)[0]
-    std = sample.std(dim=dims, keepdim=True)[0].clamp_min(1e-6)
+    mean, std = channel_stats(x_train[: 50_000])
     # Integer labels are class ids (int64, as cross_entropy wants); real-valued ones stay float32.
     y_train, y_eval = ((y.float() if y.is_floating_point() else y.long()) for y in (y_train, y_eval))
     return ArrayDataset(x_train, y_train, mean, std, augment), ArrayDataset(x_eval, y_eval, mean, std)
+
+
+def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std of images (N, C, ...), per-feature of vectors (N, F)."""
+    dims = [0] + list(range(2, x.dim())) if x.dim() > 2 else [0]
+    x = x.float()
+    return x.mean(dim=dims, keepdim=True)[0], x.std(dim=dims, keepdim=True)[0].clamp_min(1e-6)
 
 
 def split(x: torch.Tensor, y: torch.Tensor, eval_fraction: float, seed: int):

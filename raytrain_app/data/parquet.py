@@ -1,30 +1,40 @@
-"""Parquet datasets read with pyarrow: the bundled digits and any user file.
+"""Parquet datasets read with pyarrow: the bundled digits and any user's files.
 
-A file holds one label column (integer class ids, real-valued targets, or a list per row: a
-target vector or multi-label 0/1s) and either one image/feature column (a list or fixed-size list
-of numbers per row, reshaped to `shape`) or several scalar feature columns. The shape can be
-given in the config or stored in the file's schema metadata under `raytrain.shape`, as the
-bundled digits file does.
+`path` names one file, a directory (every .parquet file under it), a glob, or a URI of either
+(`s3://`, `gs://`, `hdfs://`, through `pyarrow.fs`). Files hold one label column (integer class
+ids, real-valued targets, or a list per row: a target vector or multi-label 0/1s) and either one
+image/feature column (a list or fixed-size list of numbers per row, reshaped to `shape`) or
+several scalar feature columns. What the config leaves out comes from the schema metadata that
+`scripts/to_parquet.py` writes (`raytrain.features`, `raytrain.label`, `raytrain.shape`,
+`raytrain.num_classes`), as the bundled digits file stores its shape.
+
+Small datasets are read whole into memory; `streaming: true` reads them a window of rows at a
+time instead (`stream.py`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import json
+import posixpath
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import torch
 
 from raytrain_app.data.arrays import make_pair, split
 from raytrain_app.errors import UserError
-from raytrain_app.storage import filesystem_for
+from raytrain_app.storage import explain, filesystem_for
 
 DIGITS_FILE = Path(__file__).with_name("digits.parquet")
+GLOB = "*?["
 
 
 def digits(eval_fraction: float, split_seed: int, resize: int = 0):
@@ -36,45 +46,159 @@ def parquet(
     path: str,
     eval_fraction: float,
     split_seed: int,
-    features: Union[str, list] = "image",
-    label: str = "label",
+    features: Union[str, list, None] = None,
+    label: Optional[str] = None,
     shape: Optional[list] = None,
     eval_path: Optional[str] = None,
     resize: int = 0,
     augment: bool = False,
+    streaming: bool = False,
+    buffer_rows: int = 10_000,
 ):
-    x, y = read_table(path, features, label, shape)
-    if eval_path:
-        x_eval, y_eval = read_table(eval_path, features, label, shape)
+    files = ParquetFiles.find(path, features, label, shape)
+    eval_files = ParquetFiles.find(eval_path, files.features, files.label, files.shape, like=files) if eval_path else None
+    if streaming:
+        from raytrain_app.data.stream import stream_pair
+
+        return stream_pair(files, eval_files, eval_fraction, split_seed, buffer_rows, resize, augment)
+    x, y = files.read()
+    if eval_files:
+        x_eval, y_eval = eval_files.read()
     else:
         x, y, x_eval, y_eval = split(x, y, eval_fraction, split_seed)
     return make_pair(x, y, x_eval, y_eval, resize=resize, augment=augment)
 
 
-def read_table(path: str, features: Union[str, list], label: str, shape: Optional[list]) -> tuple[torch.Tensor, torch.Tensor]:
-    fs, fs_path = filesystem_for(path)
-    if fs.get_file_info(fs_path).type == pafs.FileType.NotFound:
-        raise UserError(f"dataset file not found: {path}")
-    try:
-        schema = pq.read_schema(fs_path, filesystem=fs)
-        columns = [features] if isinstance(features, str) else list(features)
-        missing = [c for c in columns + [label] if c not in schema.names]
+def read_table(path: str, features: Union[str, list, None], label: Optional[str],
+               shape: Optional[list]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of the files `path` names, as (inputs, labels) tensors."""
+    return ParquetFiles.find(path, features, label, shape).read()
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """A unit of streaming: one row group of one file."""
+
+    path: str
+    index: int
+    rows: int
+    label_max: Optional[int] = None  # an integer label's largest value, from the footer's statistics
+
+
+@dataclass
+class ParquetFiles:
+    """The Parquet files a path names, checked once: they exist, share the schema of the columns
+    read, and hold those columns; with their row groups, for streaming."""
+
+    path: str  # as the user wrote it, for messages
+    fs: pafs.FileSystem
+    files: list[str]
+    features: Union[str, list]
+    label: str
+    shape: Optional[list[int]]
+    types: dict[str, pa.DataType]  # of the columns read
+    row_groups: list[RowGroup]
+    metadata: dict[str, str]
+
+    @classmethod
+    def find(cls, path: str, features=None, label=None, shape=None, like: Optional["ParquetFiles"] = None):
+        fs, files = _list(path)
+        try:
+            fragments = list(pads.dataset(files, filesystem=fs, format="parquet").get_fragments())
+            schemas = [f.physical_schema for f in fragments]
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path}: not a readable Parquet file: {explain(e)}") from None
+        meta = {k.decode(): v.decode() for k, v in (schemas[0].metadata or {}).items() if k.startswith(b"raytrain.")}
+        features = features or (json.loads(meta["raytrain.features"]) if "raytrain.features" in meta else "image")
+        label = label or meta.get("raytrain.label", "label")
+        columns = ([features] if isinstance(features, str) else list(features)) + [label]
+        missing = [c for c in columns if c not in schemas[0].names]
         if missing:
-            raise UserError(f"{path}: no column '{missing[0]}' (columns: {', '.join(schema.names)})")
-        table = pq.read_table(fs_path, filesystem=fs, columns=columns + [label])
+            raise UserError(f"{path}: no column '{missing[0]}' (columns: {', '.join(schemas[0].names)})")
+        types = {c: schemas[0].field(c).type for c in columns}
+        expected, first = (like.types, like.files[0]) if like else (types, files[0])
+        for file, schema in zip(files, schemas):
+            for c in columns:
+                got = schema.field(c).type if c in schema.names else "no such column"
+                if got != expected[c]:
+                    raise UserError(f"{path}: files have different schemas: {posixpath.basename(file)} has "
+                                    f"{c}: {got}, {posixpath.basename(first)} has {c}: {expected[c]}")
+        integer = pa.types.is_integer(types[label])
+        row_groups = [RowGroup(file, i, rg["num_rows"], _largest(rg, label) if integer else None)
+                      for file, f in zip(files, fragments) for i, rg in enumerate(f.metadata.to_dict()["row_groups"])
+                      if rg["num_rows"]]
+        if not row_groups:
+            raise UserError(f"dataset is empty: {path} has no rows")
+        shape = shape or (json.loads(meta["raytrain.shape"]) if "raytrain.shape" in meta else None)
+        return cls(path, fs, files, features, label, shape, types, row_groups, meta)
+
+    @property
+    def columns(self) -> list[str]:
+        return ([self.features] if isinstance(self.features, str) else list(self.features)) + [self.label]
+
+    @property
+    def rows(self) -> int:
+        return sum(g.rows for g in self.row_groups)
+
+    @staticmethod
+    def fingerprint_of(groups: list[RowGroup]) -> str:
+        """Which row groups, of which files, of what sizes: a stream position names the same rows
+        only over the same fingerprint."""
+        return hashlib.sha256(json.dumps([[g.path, g.index, g.rows] for g in groups]).encode()).hexdigest()[:16]
+
+    def read(self, row_groups: Optional[list[RowGroup]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows as (inputs, labels) tensors: all of them, or those of `row_groups`."""
+        try:
+            if row_groups is None:
+                table = pads.dataset(self.files, filesystem=self.fs, format="parquet").to_table(columns=self.columns)
+            else:
+                table = pa.concat_tables(self.fragment(g).to_table(columns=self.columns) for g in row_groups)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{self.path}: not a readable Parquet file: {explain(e)}") from None
+        return self.tensors(table)
+
+    def fragment(self, group: RowGroup) -> pads.Fragment:
+        return pads.ParquetFileFormat().make_fragment(group.path, filesystem=self.fs, row_groups=[group.index])
+
+    def tensors(self, rows: Union[pa.Table, pa.RecordBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+        y = _labels(_whole(rows.column(self.label)), self.path, self.label)
+        x = feature_matrix(rows, self.features, self.path)
+        shape = self.shape or [x.shape[1]]
+        if int(np.prod(shape)) != x.shape[1]:
+            raise UserError(f"{self.path}: shape {list(shape)} does not match {x.shape[1]} values per row")
+        return torch.from_numpy(np.array(x)).reshape(len(y), *shape), y
+
+
+def _list(path: str) -> tuple[pafs.FileSystem, list[str]]:
+    """The files a path names, sorted: itself, the .parquet files under a directory, or a glob's
+    matches (shell-style, where `*` also crosses directories)."""
+    fs, where = filesystem_for(path)
+    glob = any(c in where for c in GLOB)
+    base = where[: min(where.index(c) for c in GLOB if c in where)].rpartition("/")[0] if glob else where
+    try:
+        info = fs.get_file_info(base)
+        if info.type == pafs.FileType.NotFound:
+            raise UserError(f"dataset file not found: {path}")
+        if info.type == pafs.FileType.File and not glob:
+            return fs, [where]
+        found = fs.get_file_info(pafs.FileSelector(base, recursive=True))
     except (pa.ArrowException, OSError) as e:
-        raise UserError(f"{path}: not a readable Parquet file: {e}") from None
-    if table.num_rows == 0:
-        raise UserError(f"dataset is empty: {path} has no rows")
+        raise UserError(f"cannot read {path}: {explain(e)}") from None
+    hidden = lambda p: any(part.startswith(("_", ".")) for part in posixpath.relpath(p, base).split("/"))  # noqa: E731
+    files = sorted(i.path for i in found if i.type == pafs.FileType.File and not hidden(i.path)
+                   and (fnmatch.fnmatch(i.path, where) if glob else i.path.endswith(".parquet")))
+    if not files:
+        raise UserError(f"{path}: {'the pattern matches' if glob else 'the directory holds'} no Parquet file")
+    return fs, files
 
-    y = _labels(table.column(label).combine_chunks(), path, label)
 
-    x = feature_matrix(table, features, path)
-    stored = (schema.metadata or {}).get(b"raytrain.shape")
-    shape = shape or (json.loads(stored) if stored else [x.shape[1]])
-    if int(np.prod(shape)) != x.shape[1]:
-        raise UserError(f"{path}: shape {list(shape)} does not match {x.shape[1]} values per row")
-    return torch.from_numpy(np.array(x)).reshape(len(y), *shape), y
+def _largest(row_group: dict, column: str) -> Optional[int]:
+    stats = next((c["statistics"] for c in row_group["columns"] if c["path_in_schema"] == column), None)
+    return int(stats["max"]) if stats and stats.get("has_min_max") else None
+
+
+def _whole(col):
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
 def _labels(col: pa.Array, path: str, name: str) -> torch.Tensor:
