@@ -146,19 +146,13 @@ class ParquetFiles:
         only over the same fingerprint."""
         return hashlib.sha256(json.dumps([[g.path, g.index, g.rows] for g in groups]).encode()).hexdigest()[:16]
 
-    def read(self, row_groups: Optional[list[RowGroup]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows as (inputs, labels) tensors: all of them, or those of `row_groups`."""
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row, as (inputs, labels) tensors."""
         try:
-            if row_groups is None:
-                table = pads.dataset(self.files, filesystem=self.fs, format="parquet").to_table(columns=self.columns)
-            else:
-                table = pa.concat_tables(self.fragment(g).to_table(columns=self.columns) for g in row_groups)
+            table = pads.dataset(self.files, filesystem=self.fs, format="parquet").to_table(columns=self.columns)
         except (pa.ArrowException, OSError) as e:
             raise UserError(f"{self.path}: not a readable Parquet file: {explain(e)}") from None
         return self.tensors(table)
-
-    def fragment(self, group: RowGroup) -> pads.Fragment:
-        return pads.ParquetFileFormat().make_fragment(group.path, filesystem=self.fs, row_groups=[group.index])
 
     def tensors(self, rows: Union[pa.Table, pa.RecordBatch]) -> tuple[torch.Tensor, torch.Tensor]:
         y = _labels(_whole(rows.column(self.label)), self.path, self.label)
