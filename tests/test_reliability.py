@@ -53,6 +53,17 @@ def resumed_at(log: str) -> tuple[int, int, int, str]:
     return step, epoch, batch, after
 
 
+def straight_and_killed(config, tmp_path) -> tuple:
+    """`config(marker)` run without its marker, then with it (a worker dies); both results and
+    where the killed run resumed, (step, epoch, batch)."""
+    straight = run(config(tmp_path / "never"), tmp_path / "straight")
+    marker = tmp_path / "fault"
+    marker.touch()
+    killed = run(config(marker), tmp_path / "killed")
+    assert not marker.exists()  # the fault really happened
+    return straight, killed, resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())[:3]
+
+
 def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path, mlflow_server):
     marker = tmp_path / "fault"
     marker.touch()

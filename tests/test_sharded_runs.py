@@ -10,8 +10,8 @@ from raytrain_app import checkpoint, export, load_model
 from raytrain_app.config import updated
 from raytrain_app.plan import make_plan
 from raytrain_app.trainer import run_training
-from tests.test_distributed import final_weights, run
-from tests.test_reliability import faulty, resumed_at
+from tests.test_distributed import final_weights
+from tests.test_reliability import faulty, straight_and_killed
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -27,12 +27,7 @@ def sharded_job(marker):
 
 
 def test_a_killed_fsdp_worker_resumes_bitwise_and_the_run_reshards_to_one_worker(tmp_path):
-    straight = run(sharded_job(tmp_path / "never"), tmp_path / "straight")
-    marker = tmp_path / "fault"
-    marker.touch()
-    killed = run(sharded_job(marker), tmp_path / "killed")
-    assert not marker.exists()  # the fault really happened
-    step, epoch, batch, _ = resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())
+    straight, killed, (step, epoch, batch) = straight_and_killed(sharded_job, tmp_path)
     assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
     assert "sharded over mesh (2,)" in (tmp_path / "killed" / "logs" / "rank-0.log").read_text()
 
@@ -54,7 +49,7 @@ def test_a_killed_fsdp_worker_resumes_bitwise_and_the_run_reshards_to_one_worker
 
     # One more epoch on one worker: DCP reads the two shards into a single unsharded model.
     lines = []
-    one = updated(sharded_job(marker), {"train": {"epochs": 3}, "scaling": {"workers": 1}})
+    one = updated(sharded_job(tmp_path / "fault"), {"train": {"epochs": 3}, "scaling": {"workers": 1}})
     plan = make_plan(one, run_dir=str(tmp_path / "killed"), resume=True)
     assert plan.warnings == ("strategy fsdp on one worker has nothing to shard over: training it unsharded",)
     resumed = run_training(plan, echo=lines.append)

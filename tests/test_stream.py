@@ -16,8 +16,8 @@ from raytrain_app.config import DataConfig
 from raytrain_app.data import build_datasets, eval_loader, train_loader
 from raytrain_app.data.parquet import DIGITS_FILE
 from raytrain_app.data.stream import ParquetStream
-from tests.test_distributed import final_weights, job, run
-from tests.test_reliability import resumed_at
+from tests.test_distributed import final_weights, job
+from tests.test_reliability import straight_and_killed
 
 ROWS = 1000
 
@@ -134,12 +134,7 @@ def test_a_worker_killed_mid_epoch_resumes_the_stream_bitwise(tmp_path):
                    train={"epochs": 2, "batch_size": 32}, checkpoint={"every_steps": 5},
                    failure={"max_failures": 1})
 
-    straight = run(config(tmp_path / "never"), tmp_path / "straight")
-    marker = tmp_path / "kill"
-    marker.touch()
-    killed = run(config(marker), tmp_path / "killed")
-    assert not marker.exists()  # the worker really died
-    step, epoch, batch, _ = resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())
+    straight, killed, (step, epoch, batch) = straight_and_killed(config, tmp_path)
     assert epoch == 2 and step in (30, 35, 40) and batch == step - 25
     for name, w in final_weights(straight).items():
         assert torch.equal(final_weights(killed)[name], w), name
