@@ -136,10 +136,6 @@ class ParquetFiles:
     def columns(self) -> list[str]:
         return ([self.features] if isinstance(self.features, str) else list(self.features)) + [self.label]
 
-    @property
-    def rows(self) -> int:
-        return sum(g.rows for g in self.row_groups)
-
     @staticmethod
     def fingerprint_of(groups: list[RowGroup]) -> str:
         """Which row groups, of which files, of what sizes: a stream position names the same rows
