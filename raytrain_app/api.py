@@ -39,6 +39,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     source, job = job_config(config, sets, script_args)
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
+    from raytrain_app.capacity import spare_cpus
     from raytrain_app.plan import make_plan
     from raytrain_app.session import cluster_for
 
@@ -53,7 +54,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     for warning in plan.warnings:
         echo(f"warning: {warning}")
     try:
-        with cluster_for(s, address, plan.log_dir, verbose, echo):
+        with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config)):
             from raytrain_app.trainer import run_training
 
             marks["cluster"] = time.time()

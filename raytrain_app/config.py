@@ -63,6 +63,12 @@ class DataConfig(BuilderSection):
     on_device: Literal["auto", "on", "off"] = Field("auto", description="hold an in-memory dataset on the training "
                                                                         "device (auto: on GPUs, when it fits in a "
                                                                         "quarter of the GPU's memory)")
+    engine: Literal["native", "ray_data"] = Field("native", description="who reads the training data: native (every "
+                                                                        "dataset; exact mid-epoch resume) or ray_data "
+                                                                        "(parquet through ray.data.read_parquet on the "
+                                                                        "cluster's spare CPUs; needs "
+                                                                        "data.args.eval_path; resumes at epoch "
+                                                                        "boundaries only, in no fixed order)")
 
 
 # What each built-in task can optimise and report: (losses, metrics, default metrics). The first
@@ -222,6 +228,11 @@ class ScalingConfig(Section):
                                                                              "it), or whole GPUs: a model builder "
                                                                              "taking `devices` gets them all")
     cpus_per_worker: float = Field(1.0, gt=0, allow_inf_nan=False)
+    memory_per_worker_gb: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
+                                                  description="memory Ray reserves for each worker (its `memory` "
+                                                              "resource: for placement, not enforced); the plan "
+                                                              "refuses a model whose parameters, gradients and "
+                                                              "optimizer state alone exceed it under the strategy")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl with a whole GPU per worker, "
                                                                          "gloo with shared GPUs or none")
     timeout_s: int = Field(600, ge=1, description="collective timeout: torch's process group and Ray Train's own "
@@ -232,7 +243,8 @@ class ScalingConfig(Section):
     @property
     def resources(self) -> dict:
         """One worker's Ray resources."""
-        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
+        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {}),
+                **({"memory": self.memory_per_worker_gb * 2**30} if self.memory_per_worker_gb else {})}
 
     @model_validator(mode="after")
     def _nccl_needs_gpus(self):
@@ -342,7 +354,7 @@ class JobConfig(Section):
             problems.append("train.ddp_static_graph: must be false with train.grad_accum_steps > 1 and more than "
                             "one worker (torch's DDP cannot accumulate gradients under a static graph: "
                             "pytorch/pytorch#143580)")
-        problems += self._strategy_problems()
+        problems += self._strategy_problems() + self._ray_data_problems()
         if self.script is not None:
             problems += [f"{key}: is not used with a script, which trains itself (a script takes "
                          f"{', '.join(SCRIPT_SECTIONS)})" for key in ("seed", "model", "data", "task", "optimizer",
@@ -356,6 +368,22 @@ class JobConfig(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _ray_data_problems(self) -> list[str]:
+        if self.data.engine != "ray_data":
+            return []
+        problems = []
+        if self.data.name != "parquet":
+            problems.append(f"data.engine: ray_data reads Parquet only (data.name: parquet), not "
+                            f"'{self.data.model_dump(mode='json')['name']}'")
+        elif not self.data.args.get("eval_path"):
+            problems.append("data.engine: ray_data needs data.args.eval_path: Ray Data reads whole files, so the "
+                            "eval split cannot be held out of them")
+        if self.checkpoint.every_steps:
+            problems.append("checkpoint.every_steps: data.engine: ray_data resumes at epoch boundaries only (Ray "
+                            "Data's order cannot be replayed), so it takes no mid-epoch checkpoints; use "
+                            "data.engine: native with data.args.streaming: true for those")
+        return problems
 
     def _strategy_problems(self) -> list[str]:
         st, workers = self.strategy, self.scaling.workers

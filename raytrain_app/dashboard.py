@@ -6,6 +6,7 @@ Everything here goes through Ray's own HTTP endpoints (`/api/version`, the state
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import requests
@@ -44,7 +45,8 @@ class Dashboard:
     def nodes(self) -> list[Node]:
         rows = self._state("nodes")
         return [Node(n["node_id"], n.get("node_ip", "?"), n["state"] == "ALIVE", bool(n.get("is_head_node")),
-                     n.get("resources_total", {}).get("CPU", 0.0), n.get("resources_total", {}).get("GPU", 0.0))
+                     n.get("resources_total", {}).get("CPU", 0.0), n.get("resources_total", {}).get("GPU", 0.0),
+                     n.get("resources_total", {}).get("memory", math.inf))
                 for n in rows]
 
     def free(self) -> dict[str, dict[str, float]]:

@@ -172,8 +172,7 @@ def check_cluster_can_run(sub: Submission, dashboard: Dashboard) -> None:
     """The cluster answers, holds the job's shape and can be written to: fail now, naming what was
     asked and what exists, rather than queue forever."""
     dashboard.check()
-    s = sub.config.scaling
-    check_shape_fits(dashboard.alive_nodes(), sub.nodes, sub.workers_per_node, s.cpus_per_worker, s.gpus_per_worker)
+    check_shape_fits(dashboard.alive_nodes(), sub.nodes, sub.workers_per_node, sub.config)
     storage.check_writable(sub.run_dir)
 
 

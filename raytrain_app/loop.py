@@ -98,9 +98,11 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
     data = to_device(data, device) if resident else data
     workers = loader_workers(job.data.loader_workers, data, job.scaling.cpus_per_worker)
     pin = device.type == "cuda" and not resident
-    train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident)
+    train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident,
+                                     job.data.engine)
     eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident)
-    report.info("data %s, %d loader workers; compile %s%s; %s", "on the device" if resident else "through a DataLoader",
+    report.info("data %s, %d loader workers; compile %s%s; %s", "on the device" if resident else
+                "from Ray Data" if job.data.engine == "ray_data" else "through a DataLoader",
                 workers, tc.compile, " with CUDA graphs" if parallel.cuda_graphs else "", parallel.describe())
 
     optimizer = build_optimizer(parallel.model.parameters(), job.optimizer, world_size)
@@ -121,13 +123,8 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
         restored, saved_layout = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device,
                                                                 run_dir, report.warn)
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
-        if saved_layout and any(saved_layout[k] != layout[k] for k in ("world_size", "strategy", "mesh")):
-            how = " through torch.distributed.checkpoint" if saved_layout["mesh"] else ""
-            report.warn(f"resharded{how} from {describe_layout(saved_layout)} to {describe_layout(layout)}: the run "
-                        "goes on from the saved state, but is not bitwise the run it would have been")
-        if saved_layout and saved_layout.get("data") != layout["data"] and state.batch:
-            report.warn("the streamed dataset's files changed since the checkpoint: the epoch under way goes on "
-                        "over the new row groups from the same batch, not exactly as it would have")
+        for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0):
+            report.warn(warning)
     trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
     after_step = AfterStep(job, about, rank, step.loss_check, report, trackers, {**marks, "ready": time.time()})
 
@@ -155,6 +152,22 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
         report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
     finally:
         trackers.close()
+
+
+def resume_warnings(saved: Optional[dict], now: dict, mid_epoch: bool) -> list[str]:
+    """What a resume cannot reproduce exactly: another world size, strategy or mesh than the
+    checkpoint's, or, inside an epoch, a streamed dataset whose row groups changed since."""
+    if not saved:  # a checkpoint from before layouts were recorded
+        return []
+    warnings = []
+    if any(saved[k] != now[k] for k in ("world_size", "strategy", "mesh")):
+        how = " through torch.distributed.checkpoint" if saved["mesh"] else ""
+        warnings.append(f"resharded{how} from {describe_layout(saved)} to {describe_layout(now)}: the run goes on "
+                        "from the saved state, but is not bitwise the run it would have been")
+    if saved.get("data") != now["data"] and mid_epoch:
+        warnings.append("the streamed dataset's files changed since the checkpoint: the epoch under way goes on "
+                        "over the new row groups from the same batch, not exactly as it would have")
+    return warnings
 
 
 @dataclass

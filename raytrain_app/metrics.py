@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrain_app.memory import peak_rss_mib
+
 
 class Totals:
     """Running sums of (loss x samples, samples, data wait) over a rank's training epoch, and a
@@ -164,7 +166,9 @@ def allreduce_seconds(numel: int, device: torch.device, repeats: int = 5) -> flo
     gradient sync would cost if none of it overlapped the backward pass."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 0.0
-    buffer = torch.zeros(numel, dtype=torch.float32, device=device)
+    # Every rank must send as many values: FSDP splits a parameter's rows unevenly when they do not
+    # divide by the ranks, so local shards differ in size, and Gloo aborts a mismatched all-reduce.
+    buffer = torch.zeros(int(global_max(numel, device)), dtype=torch.float32, device=device)
     times = []
     for _ in range(repeats + 1):  # the first call warms up the communicator
         dist.barrier()
@@ -223,6 +227,11 @@ class EpochMetrics:
             **time_split(slowest, train.data_wait_s, steps, self.sync_s),
             "epoch_time_s": slowest,
             "world_size": self.world_size,
+            # The most any worker's process has held so far (its peak resident memory; the GPU's
+            # allocator's peak on GPUs): what scaling.memory_per_worker_gb has to cover.
+            "peak_memory_mib": global_max(peak_rss_mib(), self.device),
+            **({"peak_gpu_memory_mib": global_max(torch.cuda.max_memory_allocated(self.device) / 2**20, self.device)}
+               if self.device.type == "cuda" else {}),
             "lr": lr,
             "time": time.time(),  # when the epoch ended, for pictures on a time axis (restarts)
         }

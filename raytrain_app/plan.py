@@ -108,6 +108,7 @@ def check_data_and_model(config: JobConfig) -> None:
     import torch
 
     from raytrain_app.data import build_datasets, keep_on_device
+    from raytrain_app.memory import check_state_fits
     from raytrain_app.models import build_model, places_itself
     from raytrain_app.strategy import shard_units
     from raytrain_app.tasks import CustomStep, build_task, custom_metric_names, model_outputs
@@ -129,6 +130,7 @@ def check_data_and_model(config: JobConfig) -> None:
     if len(data.eval) < workers:  # a rank without eval samples would have no sums to all-reduce
         raise UserError(f"the eval set ({len(data.eval)} samples) is smaller than the number of workers ({workers})")
     model = build_model(config.model, data.input_shape, model_outputs(task, data.train, data.num_classes))
+    check_state_fits(model, config)
     if config.strategy.sharded:
         if places_itself(config.model):
             raise UserError(f"strategy {config.strategy.name}: the model places its own layers (its builder takes "

@@ -62,14 +62,14 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
 
 @contextmanager
 def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optional[str], verbose: bool,
-                echo: Callable[[str], None]) -> Iterator[None]:
+                echo: Callable[[str], None], spare_cpus: float = 0) -> Iterator[None]:
     """The cluster for `scaling`'s workers (see `choose_cluster`), said when it is not the obvious
     one, connected for the block: what `train`, `evaluate` and `predict` share."""
     choice = choose_cluster(address, scaling.workers, scaling.cpus_per_worker, scaling.gpus_per_worker)
     if choice.note:
         echo(choice.note)
-    with ray_session(choice, max(os.cpu_count() or 1, int(scaling.workers * scaling.cpus_per_worker + 0.999)),
-                     log_dir, verbose):
+    needed = int(scaling.workers * scaling.cpus_per_worker + spare_cpus + 0.999)
+    with ray_session(choice, max(os.cpu_count() or 1, needed), log_dir, verbose):
         yield
 
 

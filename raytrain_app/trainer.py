@@ -25,6 +25,7 @@ from raytrain_app import storage, tracking
 from raytrain_app.capacity import check_workers_fit, connected_nodes
 from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
+from raytrain_app.data.raydata import read_train
 from raytrain_app.errors import (TrainingFailed, UserError, describe, describe_rank, last_line, process_died,
                                   timed_out)
 from raytrain_app.loop import WorkerArgs, train_loop_per_worker
@@ -41,8 +42,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     `startup.json`.
     """
     config = plan.config
-    s = config.scaling
-    check_workers_fit(connected_nodes(), s.workers, s.cpus_per_worker, s.gpus_per_worker)
+    check_workers_fit(connected_nodes(), config)
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
     if plan.resume:
@@ -65,6 +65,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
                                                resources_per_worker=config.scaling.resources,
                                                placement_strategy=config.scaling.placement),
         torch_config=TorchConfig(backend=config.scaling.backend, timeout_s=config.scaling.timeout_s),
+        datasets={"train": read_train(config.data)} if config.data.engine == "ray_data" else None,
         run_config=ray.train.RunConfig(
             name=os.path.basename(plan.run_dir),
             storage_path=os.path.dirname(plan.run_dir),

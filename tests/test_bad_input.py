@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from raytrain_app.config import load_config
 from raytrain_app.errors import ConfigError
+from tests.commands import Finished, command
 from tests.conftest import REPO
 
 DIGITS = "examples/digits.yaml"
@@ -124,6 +125,10 @@ def cases(d):
          "cannot take the data's inputs"),
         ([DIGITS, "--set", "data.name=tests.helpers:index_data", "--set", "data.args={}", "--set", "data.on_device=on",
           "--set", "model.name=mlp", "--set", "train.batch_size=2"], "on_device: on needs an in-memory dataset"),
+        ([DIGITS, "--set", "data.engine=ray_data"], "data.engine: ray_data reads Parquet only (data.name: parquet)"),
+        (parquet("many", "--set", "data.engine=ray_data"), "data.engine: ray_data needs data.args.eval_path"),
+        ([DIGITS, "--set", "scaling.memory_per_worker_gb=0.00001"],
+         "scaling.memory_per_worker_gb: the model's training state takes"),
         # strategies (the rest of their rules: test_strategy, in-process)
         ([DIGITS, "--set", "strategy.name=fsdp", "--set", "strategy.shard_modules=[Block]"],
          "strategy.shard_modules: Block names no module of the model"),
@@ -155,20 +160,25 @@ def ray_servers() -> int:
     return sum(name in ("gcs_server", "raylet") for name in out)
 
 
-# Each case is a fresh `raytrain-app` process: Python, click, and for checks past the config
-# itself, torch. Two at a time, on two cores.
+# Each case is a `raytrain-app` process of its own, forked from a server that has imported the
+# command line and torch once (tests/commands.py); two at a time, on two cores. The first cases
+# also run as real subprocesses, timing the command's whole start-up.
 CASE_LIMIT_S = 12
 PARALLEL = 2
+COLD = 3
 
 
-def run_case(args: list, workdir) -> tuple[subprocess.CompletedProcess, float]:
+def run_case(args: list, workdir, cold: bool = False):
     ray_tmp = workdir / "ray"  # where a Ray session would put its files: it must stay empty
     ray_tmp.mkdir(parents=True)
     run_dir = [] if "--run-dir" in args else ["--run-dir", str(workdir / "run")]
+    argv, env = ["train", *args, *run_dir], {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    if not cold:
+        return command(argv, REPO, env)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "train", *args, *run_dir], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_TMPDIR": str(ray_tmp)})
-    return proc, time.monotonic() - start
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+    return Finished(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
 def test_at_least_30_malformed_inputs_fail_cleanly(files, tmp_path):
@@ -177,13 +187,15 @@ def test_at_least_30_malformed_inputs_fail_cleanly(files, tmp_path):
     servers = ray_servers()
     with ThreadPoolExecutor(PARALLEL) as pool:
         done = list(pool.map(lambda i: run_case(table[i][0], tmp_path / f"case-{i}"), range(len(table))))
-    for i, ((args, message), (proc, took)) in enumerate(zip(table, done)):
+    done += [run_case(table[i][0], tmp_path / f"cold-{i}", cold=True) for i in range(COLD)]
+    for i, ((args, message), proc) in enumerate(zip(table + table[:COLD], done)):
+        case = tmp_path / (f"case-{i}" if i < len(table) else f"cold-{i - len(table)}")
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert message in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, (args, proc.stderr)
-        assert took < CASE_LIMIT_S, (args, took)
-        assert not (tmp_path / f"case-{i}" / "run").exists()  # nothing written
-        assert os.listdir(tmp_path / f"case-{i}" / "ray") == [], args  # Ray never started: no session files
+        assert proc.seconds < CASE_LIMIT_S, (args, proc.seconds)
+        assert not (case / "run").exists()  # nothing written
+        assert os.listdir(case / "ray") == [], args  # Ray never started: no session files
     assert ray_servers() == servers  # nothing left running
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from raytrain_app import checkpoint
 from raytrain_app.config import JobConfig
 from raytrain_app.data import build_datasets
+from raytrain_app.errors import UserError
 from raytrain_app.loop import seed_everything
 from raytrain_app.models import build_model
 from raytrain_app.plan import make_plan
@@ -74,6 +75,22 @@ def test_metrics_are_all_reduced_over_every_rank(table, tmp_path):
     assert reported["eval_accuracy"] == (logits.argmax(1) == y).sum().item() / len(y)
     assert reported["train_loss"] == pytest.approx(train_loss, rel=1e-5)
     assert reported["world_size"] == 2 and reported["samples_per_s"] > 0
+    assert 100 < reported["peak_memory_mib"] < 8192  # a worker process with torch, Ray and this tiny model
+
+
+def test_a_run_the_cluster_cannot_hold_is_one_line_before_any_worker_starts(table, tmp_path):
+    """The session's cluster has 4 CPUs and Ray's default share of this machine's memory."""
+    ray_data = {**table, "engine": "ray_data"}
+    for sections, message in (
+            ({"scaling": {"workers": 5}}, "the cluster holds 4 workers of 1 CPU each, not 5: it has 1 nodes: "),
+            ({"scaling": {"memory_per_worker_gb": 10000}}, "the cluster holds 0 workers of 1 CPU and 10000 GiB of "
+                                                          "memory each, not 2"),
+            ({"data": ray_data, "scaling": {"workers": 4}}, "data.engine: ray_data reads with Ray Data tasks, which "
+                                                           "need 1 CPU besides the workers' 4")):
+        with pytest.raises(UserError) as refused:
+            run(job(**{"data": table, **sections}), tmp_path / "run")
+        assert str(refused.value).startswith(message), str(refused.value)
+        assert not (tmp_path / "run").exists()
 
 
 def recorded_run(tmp_path, name: str):

@@ -14,6 +14,8 @@ from raytrain_app.config import DataConfig, JobConfig, ModelConfig, OptimizerCon
 from raytrain_app.data import build_datasets, train_loader
 from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_epoch
+from raytrain_app.memory import GiB, check_state_fits, shard_group, state_bytes
+from raytrain_app.metrics import EpochMetrics
 from raytrain_app.models import build_model, places_itself
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.plan import make_plan, resolve_auto
@@ -59,6 +61,14 @@ def trained(rank: int, world_size: int, strategy: dict, **train):
     return parallel, state, step, float(totals.sums[0]) / totals.samples
 
 
+def held(model, state) -> dict:
+    """Bytes this rank holds of the parameters and (with `state`) of the optimizer's per-parameter state."""
+    nbytes = lambda t: (t.to_local() if hasattr(t, "to_local") else t).nbytes  # noqa: E731
+    moments = [v for m in state.optimizer.state.values() for v in m.values()] if state else []
+    return {"params": sum(nbytes(p) for p in model.parameters()),
+            "optimizer": sum(nbytes(v) for v in moments if torch.is_tensor(v) and v.dim())}  # not AdamW's 0-d steps
+
+
 def _compare(rank: int, out_dir: str) -> None:
     """Every variant from the same seed on the same data; the eval set is uneven over the ranks
     (3 batches on rank 0, 2 on rank 1), which a sharded forward must survive."""
@@ -73,7 +83,7 @@ def _compare(rank: int, out_dir: str) -> None:
                 for k, v in parallel.model.state_dict().items()}
         results[name] = {"train_loss": train_loss, "eval_loss": evaluated["loss"], "samples": evaluated["samples"],
                          "sharded": is_sharded(parallel.model), "mesh": parallel.mesh, "weights": full,
-                         "computed_in": sorted(parallel.model.computed_in)}
+                         "computed_in": sorted(parallel.model.computed_in), "held": held(parallel.model, state)}
     hsdp = StrategyConfig(name="hsdp")  # one replica per node: what each rank builds, seeing both ranks' nodes
     results["layouts"] = [mesh_ranks(hsdp, 2, node).tolist() for node in (f"node{rank}", "one node")]
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
@@ -103,6 +113,29 @@ def test_fsdp_and_hsdp_train_and_evaluate_as_ddp_does(tmp_path):
     assert ranks[0]["ddp"]["weights"] == ranks[1]["ddp"]["weights"]
     for rank in ranks:
         assert rank["layouts"] == [[[0], [1]], [[0, 1]]]  # two nodes: 2 replicas x 1; one node: 1 x 2
+    # What the plan estimates a worker holds is what the ranks held: all of it under ddp and hsdp
+    # 2x1, half under fsdp and hsdp 1x2 (a parameter's rows split unevenly, so on average).
+    model = build_model(ModelConfig.model_validate(GPT), (LENGTH,), VOCAB)
+    for name, strategy in VARIANTS.items():
+        estimate = state_bytes(model, OptimizerConfig(name="adamw"), shard_group(job(strategy)))
+        for part in ("params", "optimizer"):
+            mean = sum(rank[name]["held"][part] for rank in ranks) / 2
+            assert abs(mean - getattr(estimate, part)) <= 1, (name, part, mean, estimate)
+
+
+def _odd_rows(rank: int, out_dir: str) -> None:
+    """A GPT whose position table has 17 rows: fsdp gives rank 0 nine and rank 1 eight."""
+    parallel, _, _, _ = trained(rank, 2, VARIANTS["fsdp"])
+    metrics = EpochMetrics(parallel.model, (LENGTH,), "fp32", CPU, 2)  # all-reduces its shard's size to time it
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"sync_s": metrics.sync_s,
+                                                                 "held": held(parallel.model, None)["params"]}))
+
+
+def test_shards_of_different_sizes_time_their_gradient_sync_alike(tmp_path):
+    spawn(_odd_rows, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["held"] != ranks[1]["held"]  # the case: unequal shards
+    assert ranks[0]["sync_s"] == ranks[1]["sync_s"] > 0  # one calibration, agreed by every rank
 
 
 def _save_and_restore(rank: int, out_dir: str) -> None:
@@ -254,3 +287,24 @@ def test_plan_checks_shard_modules_and_warns_for_one_worker(tmp_path):
                      str(tmp_path / "b"))
     assert plan.warnings == ("strategy fsdp on one worker has nothing to shard over: training it unsharded",)
     assert plan.config.strategy.mixed_precision == "off"
+
+
+def test_a_model_whose_state_exceeds_the_workers_memory_is_refused_under_ddp_and_fits_under_fsdp():
+    """AdamW: 4 bytes a parameter, its gradient and two moments; ddp holds them whole, fsdp a half."""
+    model = build_model(ModelConfig.model_validate(GPT), (LENGTH,), VOCAB)
+    total = 16 * sum(p.numel() for p in model.parameters())
+    cap = 0.75 * total / GiB
+
+    def config(strategy, optimizer="adamw"):
+        return JobConfig.from_dict({"model": GPT, "optimizer": {"name": optimizer}, "strategy": {"name": strategy},
+                                    "scaling": {"workers": 2, "memory_per_worker_gb": cap}})
+
+    with pytest.raises(UserError) as refused:
+        check_state_fits(model, config("ddp"))
+    assert str(refused.value).startswith(f"scaling.memory_per_worker_gb: the model's training state takes "
+                                         f"{total / GiB:.2f} GiB (parameters {total / 4 / GiB:.2f}")
+    assert f"more than the {cap:g} GiB given; strategy fsdp splits it over the 2 workers: {total / 2 / GiB:.2f}" \
+           in str(refused.value)
+    check_state_fits(model, config("fsdp"))  # half of it fits
+    check_state_fits(model, config("ddp", optimizer="sgd"))  # one momentum buffer: 12 bytes a parameter fit
+    assert config("ddp").scaling.resources["memory"] == cap * GiB  # Ray places workers by it

@@ -16,6 +16,7 @@ from raytrain_app.config import DataConfig
 from raytrain_app.data import build_datasets, eval_loader, train_loader
 from raytrain_app.data.parquet import DIGITS_FILE
 from raytrain_app.data.stream import ParquetStream
+from raytrain_app.loop import resume_warnings
 from tests.test_distributed import final_weights, job
 from tests.test_reliability import straight_and_killed
 
@@ -103,6 +104,22 @@ def test_a_glob_a_directory_and_an_s3_prefix_stream_the_same_rows(tmp_path, s3, 
     for path in (tmp_path / "d" / "part-*.parquet", remote):
         assert labels(epoch_of(numbered(path), 0, 2, 1)[0]) == expected, path
     assert len(numbered(tmp_path / "d" / "part-[12].parquet").train) + len(numbered(tmp_path / "d" / "part-[12].parquet").eval) == 310
+
+
+def test_a_mid_epoch_resume_over_changed_files_says_so(tmp_path):
+    """The checkpoint's layout records the row groups; the loop compares them when it resumes."""
+    before = numbered(write_numbered(tmp_path / "d"))
+    pq.write_table(pq.read_table(tmp_path / "d" / "part-4.parquet"), tmp_path / "d" / "part-5.parquet")  # a new file
+    after = numbered(tmp_path / "d")
+    assert before.train.fingerprint != after.train.fingerprint
+    assert numbered(tmp_path / "d").train.fingerprint == after.train.fingerprint  # the same files, the same print
+    layout = lambda data: {"world_size": 2, "strategy": "ddp", "mesh": [], "data": data.train.fingerprint}  # noqa: E731
+    [warning] = resume_warnings(layout(before), layout(after), mid_epoch=True)
+    assert warning.startswith("the streamed dataset's files changed since the checkpoint")
+    assert resume_warnings(layout(before), layout(after), mid_epoch=False) == []  # a new epoch starts over anyway
+    assert resume_warnings(layout(after), layout(after), mid_epoch=True) == []
+    [resharded] = resume_warnings(layout(after), {**layout(after), "world_size": 1}, mid_epoch=True)
+    assert resharded.startswith("resharded from 2 workers to 1 worker: ")
 
 
 def test_a_stream_decodes_rows_as_the_whole_file_reader_does(tmp_path):

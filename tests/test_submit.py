@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,12 +27,12 @@ from raytrain_app.session import ClusterChoice, choose_cluster, running_local_cl
 from raytrain_app.dashboard import Dashboard
 from raytrain_app.profiles import load_profile
 from raytrain_app.data.parquet import DIGITS_FILE
+from tests.commands import command
 from tests.conftest import REPO, TUTORIAL_SCRIPT, epoch_lines, running
 
 
 def cli(*args, timeout=240, env=None):
-    return subprocess.run([sys.executable, "-m", "raytrain_app.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return command(args, REPO, env, timeout)
 
 
 def short_temp_dir() -> str:
@@ -130,25 +131,23 @@ def test_status_logs_and_stop_on_a_long_job(two_nodes):
     profile_file, profile = two_nodes
     job_id = submit_long_job(profile_file)
     wait_for_log(job_id, profile_file, r"epoch +1/500")
-    code, said = ray_cli(profile, "logs", job_id)  # Ray's own command reads the same job
+    # While it runs, every view of it at once: Ray's own `ray job logs`, status, list, list --json, cluster status.
+    with ThreadPoolExecutor(5) as pool:
+        ray_logs = pool.submit(ray_cli, profile, "logs", job_id)
+        status, listed, as_json, cluster = pool.map(lambda args: cli(*args).stdout, [
+            ("status", job_id, "--cluster", profile_file), ("list", "--cluster", profile_file),
+            ("list", "--cluster", profile_file, "--status", "running", "--json"), ("cluster", "status", profile_file)])
+    code, said = ray_logs.result()
     assert code == 0 and re.search(r"epoch +1/500", said)
-    assert cli("status", job_id, "--cluster", profile_file).stdout.startswith(f"{job_id}: RUNNING")
-    listed = cli("list", "--cluster", profile_file).stdout
+    assert status.startswith(f"{job_id}: RUNNING")
     assert listed.split()[:7] == ["ID", "NAME", "STATUS", "START", "DURATION", "WORKERS", "RUN"]
     assert re.search(rf"{job_id} +digits +RUNNING +\d{{4}}-\d\d-\d\d \d\d:\d\d +\d+m\d\ds +2x1 CPU +\S+/{job_id}",
                      listed)
-    [row] = json.loads(cli("list", "--cluster", profile_file, "--status", "running", "--json").stdout)
+    [row] = json.loads(as_json)
     assert row["id"] == job_id and row["user"] and len(row["config_sha256"]) == 12
-    status = cli("cluster", "status", profile_file).stdout  # the job's workers hold both nodes' CPUs
-    assert "2 nodes, 0/2 CPUs free" in status and re.search(rf"^{job_id} +digits +RUNNING", status, re.M)
+    # the job's workers hold both nodes' CPUs
+    assert "2 nodes, 0/2 CPUs free" in cluster and re.search(rf"^{job_id} +digits +RUNNING", cluster, re.M)
     assert running_local_cluster(1, 1, 0) is None  # `train` does not join a cluster that runs a job
-
-    # A second job starts and waits for the workers' CPUs; Ray's own `ray job stop` stops it.
-    waiting = submit_long_job(profile_file)
-    wait_for_log(waiting, profile_file, r"^run \S+: 2 workers")
-    code, said = ray_cli(profile, "stop", waiting)
-    assert code == 0, said
-    assert "STOPPED" in cli("status", waiting, "--cluster", profile_file).stdout
 
     stopped = cli("stop", job_id, "--cluster", profile_file)
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"{job_id}: STOPPED"

@@ -9,7 +9,7 @@ Batches come either from a DataLoader (host memory, optional worker processes, p
 or, for in-memory datasets that fit, straight from the device (`DeviceBatches`): on a GPU a
 small model's step is shorter than the DataLoader's per-batch overhead, so the data moves once.
 Parquet read with `streaming: true` comes a window at a time (`StreamBatches`, in stream.py),
-which shards, shuffles and resumes by itself.
+which shards, shuffles and resumes by itself; with `engine: ray_data`, from Ray Data (raydata.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from raytrain_app import registry
 from raytrain_app.config import DataConfig
 from raytrain_app.data.arrays import ArrayDataset, DeviceBatches
 from raytrain_app.data.parquet import digits, parquet
+from raytrain_app.data.raydata import RayDataBatches
 from raytrain_app.data.stream import ParquetStream, StreamBatches
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.data.text import TokenBlocks, text
@@ -56,7 +57,9 @@ class Datasets:
 def build_datasets(config: DataConfig) -> Datasets:
     """Call the builder; it returns (train, eval) map-style datasets yielding (input, label)."""
     context = {"eval_fraction": config.eval_fraction, "split_seed": config.split_seed}
-    built = registry.build(config.name, config.args, BUILTINS, "data", context)
+    # Under Ray Data the native stream still decodes rows, normalises them and reads the eval files.
+    args = {**config.args, "streaming": True} if config.engine == "ray_data" else config.args
+    built = registry.build(config.name, args, BUILTINS, "data", context)
     if not (isinstance(built, tuple) and len(built) == 2):
         raise UserError(f"data: '{registry.label(config.name)}' must return a (train, eval) pair of datasets, got {type(built).__name__}")
     train, eval_ = built
@@ -175,9 +178,15 @@ def _as_is(batch):
 
 
 def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool,
-                 resident: bool = False):
+                 resident: bool = False, engine: str = "native"):
     """This rank's training batches and their sampler (for `set_epoch` and mid-epoch `skip`);
-    `resident`: `ds` is already on the device (`to_device`) and batches are cut there."""
+    `resident`: `ds` is already on the device (`to_device`) and batches are cut there; `engine`
+    ray_data: from this worker's Ray Data shard."""
+    if engine == "ray_data":
+        import ray.train
+
+        batches = RayDataBatches(ray.train.get_dataset_shard("train"), ds.train, batch_size, rank, world_size, seed)
+        return batches, batches
     if isinstance(ds.train, ParquetStream):
         batches = StreamBatches(ds.train, batch_size, rank, world_size, seed, train=True)
         return batches, batches
