@@ -161,11 +161,11 @@ def ray_servers() -> int:
 
 
 # Each case is a `raytrain-app` process of its own, forked from a server that has imported the
-# command line and torch once (tests/commands.py); two at a time, on two cores. The first cases
-# also run as real subprocesses, timing the command's whole start-up.
+# command line and torch once (tests/commands.py); two at a time, on two cores. The first case
+# also runs as a real subprocess, timing the command's whole start-up.
 CASE_LIMIT_S = 12
 PARALLEL = 2
-COLD = 3
+COLD = 1
 
 
 def run_case(args: list, workdir, cold: bool = False):

@@ -1,4 +1,5 @@
-"""Faults made to happen for real on a real Ray cluster: a worker SIGKILLed mid-epoch, a crash and
+"""Faults made to happen for real on a real Ray cluster: a worker SIGKILLed mid-epoch (its run
+directory in a real S3-compatible store), a crash and
 --resume, a rank that stalls inside a step, damaged and hostile checkpoint files, a loss that
 goes NaN on one rank."""
 
@@ -10,6 +11,7 @@ import pickle
 import re
 import time
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -64,14 +66,24 @@ def straight_and_killed(config, tmp_path) -> tuple:
     return straight, killed, resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())[:3]
 
 
-def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path, mlflow_server):
+def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise_from_the_bucket(straight, tmp_path, mlflow_server, s3):
+    """The run directory is in the S3-compatible store, so the restart restores from the bucket."""
     marker = tmp_path / "fault"
     marker.touch()
-    killed = run(step_checkpointed(marker, "kill", mlflow={"tracking_uri": mlflow_server, "experiment": "killed"}),
-                 tmp_path / "killed")
+    run_dir = f"s3://{s3.bucket}/reliability/killed"
+    lines = []
+    killed = run_training(make_plan(step_checkpointed(marker, "kill", mlflow={
+        "tracking_uri": mlflow_server, "experiment": "killed"}), run_dir=run_dir), echo=lines.append)
     assert not marker.exists()  # the fault really happened
-    step, epoch, batch, _ = resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())
+    # One line of ours for the dead worker, naming the checkpoint in the bucket the group restarts from.
+    assert [line for line in lines if re.fullmatch(
+        rf"warning: rank 1 on node \S+ \(pid \d+\): worker process died: .*; restarting from "
+        rf"{run_dir}/checkpoint_\S+ \(restart 1 of 1\)", line)], lines
+    log = s3.client().get_object(Bucket=s3.bucket, Key="reliability/killed/logs/rank-1.log")["Body"].read().decode()
+    assert log.count("rank 1/2 on node") == 2  # both attempts, in one log kept in the bucket
+    step, epoch, batch, _ = resumed_at(log)
     assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
+    assert killed.best_checkpoint.startswith(f"{run_dir}/checkpoint_")
 
     assert [row["epoch"] for row in killed.metrics] == [1, 2]
     for name, w in final_weights(straight).items():
@@ -82,7 +94,10 @@ def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise(straight, tmp_path
     # attempt's steps past the restored one; the MLflow run (the same one) skipped those it held.
     curve = tensorboard_curve(straight.run_dir)
     assert [step for step, _ in curve] == list(range(1, 47))
-    assert tensorboard_curve(killed.run_dir) == curve
+    (tmp_path / "tensorboard").mkdir()
+    pafs.copy_files(f"{s3.bucket}/reliability/killed/tensorboard", str(tmp_path / "tensorboard"),
+                    source_filesystem=pafs.FileSystem.from_uri(run_dir)[0])
+    assert tensorboard_curve(str(tmp_path)) == curve
     from mlflow import MlflowClient
 
     client = MlflowClient(mlflow_server)

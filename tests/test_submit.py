@@ -342,9 +342,8 @@ def test_submit_ships_the_users_code_to_both_nodes_with_storage_on_s3(project, s
         "env_vars": {name: f"${{{name}}}" for name in s3.env}})
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", str(root / "job.yaml"),
-                           "--cluster", profile_file], cwd=elsewhere, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, **s3.env})
+    proc = command(["submit", str(root / "job.yaml"), "--cluster", profile_file], elsewhere, {**os.environ, **s3.env},
+                   timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     job_id, run_dir = re.search(r"submitted (\S+) to .*run directory (\S+)", proc.stdout).groups()
@@ -379,8 +378,7 @@ def test_a_job_that_fails_on_the_cluster_fails_submit_with_its_one_line_error(pr
 def test_submit_warns_when_a_module_would_not_be_shipped(project):
     root, profile = project
     profile_file = project_profile(root, profile)  # no working_dir: rtproj_models stays on this machine
-    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", profile_file,
-                           "--dry-run"], cwd=root, capture_output=True, text=True, timeout=60)
+    proc = command(["submit", "job.yaml", "--cluster", profile_file, "--dry-run"], root, timeout=60)
     assert proc.returncode == 0, proc.stderr
     warnings = proc.stderr.splitlines()
     assert len(warnings) == 2  # the model's module and the data's, one line each
@@ -388,8 +386,7 @@ def test_submit_warns_when_a_module_would_not_be_shipped(project):
                            f"job does not upload: set runtime_env.working_dir in {profile_file} to a folder that "
                            f"holds it (or install it on the cluster)")
     shipped = project_profile(root, profile, runtime_env={"working_dir": "."})
-    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", shipped,
-                           "--dry-run"], cwd=root, capture_output=True, text=True, timeout=60)
+    proc = command(["submit", "job.yaml", "--cluster", shipped, "--dry-run"], root, timeout=60)
     assert proc.returncode == 0 and proc.stderr == ""
 
 
@@ -398,8 +395,7 @@ def test_an_upload_too_large_is_one_line_before_submitting(project):
     profile_file = project_profile(root, profile, runtime_env={"working_dir": ".", "max_upload_mb": 1})
     jobs_before = cli("list", "--cluster", profile_file).stdout
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", profile_file],
-                          cwd=root, capture_output=True, text=True, timeout=60)
+    proc = command(["submit", "job.yaml", "--cluster", profile_file], root, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr == (f"error: {profile_file}: runtime_env.working_dir {root} holds 3.0 MiB to upload, over "
                            f"runtime_env.max_upload_mb (1): add large files to runtime_env.excludes or a .rayignore\n")
@@ -407,8 +403,7 @@ def test_an_upload_too_large_is_one_line_before_submitting(project):
     assert cli("list", "--cluster", profile_file).stdout == jobs_before  # nothing was submitted
     # The same folder with the scratch space excluded fits.
     (root / ".rayignore").write_text("scratch/\n")
-    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", "job.yaml", "--cluster", profile_file,
-                           "--dry-run"], cwd=root, capture_output=True, text=True, timeout=60)
+    proc = command(["submit", "job.yaml", "--cluster", profile_file, "--dry-run"], root, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 

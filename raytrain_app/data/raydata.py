@@ -26,6 +26,7 @@ from raytrain_app.data.parquet import ParquetFiles
 from raytrain_app.data.stream import ParquetStream
 from raytrain_app.errors import UserError
 
+
 def read_train(config: DataConfig):
     """On the driver: the training files as a Ray Dataset, which Ray Train splits among the workers."""
     import ray.data
