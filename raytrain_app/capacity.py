@@ -42,7 +42,7 @@ def workers_that_fit(nodes: list[Node], cpus_per_worker: float, gpus_per_worker:
 def check_workers_fit(nodes: list[Node], config: JobConfig) -> None:
     """`train`: the workers may go to any node; Ray Data's CPUs (`spare_cpus`) anywhere."""
     s = config.scaling
-    fit = workers_that_fit(nodes, s.cpus_per_worker, s.gpus_per_worker, _memory(s))
+    fit = workers_that_fit(nodes, s.cpus_per_worker, s.gpus_per_worker, s.resources.get("memory", 0))
     if fit < s.workers:
         raise UserError(f"the cluster holds {fit} workers of {_worker(s)} each, not {s.workers}: it has "
                         f"{_describe(nodes)}")
@@ -53,7 +53,8 @@ def check_shape_fits(nodes: list[Node], node_count: int, per_node: int, config: 
     """`submit`: `node_count` nodes must each hold `per_node` workers, and Ray Data's CPUs be left."""
     s = config.scaling
     alive = [n for n in nodes if n.alive]
-    need_gpus, need_cpus, need_memory = s.gpus_per_worker * per_node, s.cpus_per_worker * per_node, _memory(s) * per_node
+    need_gpus, need_cpus = s.gpus_per_worker * per_node, s.cpus_per_worker * per_node
+    need_memory = s.resources.get("memory", 0) * per_node
     fitting = [n for n in alive if n.gpus >= need_gpus and n.cpus >= need_cpus and n.memory >= need_memory]
     if len(fitting) < node_count:
         what = f"{need_gpus:g} GPUs and {need_cpus:g} CPUs" if need_gpus else f"{need_cpus:g} CPUs"
@@ -63,10 +64,6 @@ def check_shape_fits(nodes: list[Node], node_count: int, per_node: int, config: 
         raise UserError(f"not enough {short}: the job needs {node_count} nodes with {what} each; "
                         f"the cluster has {_describe(alive)}")
     _check_spare(alive, need_cpus * node_count, spare_cpus(config))
-
-
-def _memory(s: ScalingConfig) -> float:
-    return (s.memory_per_worker_gb or 0) * 2**30
 
 
 def _worker(s: ScalingConfig) -> str:

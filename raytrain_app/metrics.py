@@ -227,8 +227,8 @@ class EpochMetrics:
             **time_split(slowest, train.data_wait_s, steps, self.sync_s),
             "epoch_time_s": slowest,
             "world_size": self.world_size,
-            # The most any worker's process has held so far (its peak resident memory; the GPU's
-            # allocator's peak on GPUs): what scaling.memory_per_worker_gb has to cover.
+            # The most any worker's process has held so far in host memory (what
+            # scaling.memory_per_worker_gb has to cover), and on GPUs the CUDA allocator's peak.
             "peak_memory_mib": global_max(peak_rss_mib(), self.device),
             **({"peak_gpu_memory_mib": global_max(torch.cuda.max_memory_allocated(self.device) / 2**20, self.device)}
                if self.device.type == "cuda" else {}),
