@@ -18,7 +18,8 @@ from raytrain_app.errors import UserError
 def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequence[str]] = None,
         workers: Optional[int] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
         address: Optional[str] = None, resume: bool = False, verbose: bool = False, progress: bool = False,
-        echo: Callable[[str], None] = print, started: Optional[float] = None, script_args: Sequence[str] = ()):
+        echo: Callable[[str], None] = print, started: Optional[float] = None, script_args: Sequence[str] = (),
+        min_nodes: int = 1, node_timeout_s: float = 600):
     """Train `config` (a YAML path, "-" for standard input, a dict, or a JobConfig) and return the
     run's `Result` (run_dir, metrics per epoch, best and final checkpoint, wall time).
 
@@ -29,7 +30,8 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     In a dict or JobConfig, `model.name` and `data.name` may be the builder functions themselves
     (a notebook's, say). `overrides` are `--set` expressions; `workers`/`gpus_per_worker` set the
     scaling; `address` picks the cluster as `--address` does, and a process already connected to
-    Ray (`ray.init()` done) trains there; `echo` receives the console lines. Raises UserError
+    Ray (`ray.init()` done) trains there, and a cluster at `address` gets `node_timeout_s` to
+    reach `min_nodes` nodes; `echo` receives the console lines. Raises UserError
     (ConfigError) for anything the user can fix, TrainingFailed when training started and did not
     finish.
     """
@@ -54,7 +56,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     for warning in plan.warnings:
         echo(f"warning: {warning}")
     try:
-        with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config)):
+        with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config), min_nodes, node_timeout_s):
             from raytrain_app.trainer import run_training
 
             marks["cluster"] = time.time()

@@ -50,10 +50,15 @@ SCRIPT_ARGS = click.argument("script_args", metavar="[-- SCRIPT_ARGS]", nargs=-1
                                 "$RAY_ADDRESS, as set inside Ray jobs); 'local' always starts an embedded "
                                 "cluster. Default: a local cluster `cluster up` started, if one is up and "
                                 "large enough, else an embedded one.")
+@click.option("--min-nodes", type=click.IntRange(min=1), default=1, help="Wait until the cluster at --address has "
+                                                                         "this many nodes (its nodes are still "
+                                                                         "starting, as in a SLURM job).")
+@click.option("--node-timeout", type=click.FloatRange(min=0), default=600, show_default=True,
+              help="Seconds to wait for --min-nodes.")
 @MAX_FAILURES
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs and worker output.")
 def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides, max_failures, resume, address,
-          verbose):
+          min_nodes, node_timeout, verbose):
     """Train CONFIG (a YAML file, or - for standard input) on Ray.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
@@ -72,7 +77,7 @@ def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides
         result = fit(config_file, overrides=[*overrides, *_failures(max_failures)], workers=workers,
                      gpus_per_worker=gpus_per_worker, run_dir=run_dir, address=address, resume=resume,
                      verbose=verbose, progress=sys.stdout.isatty(), echo=click.echo, started=STARTED,
-                     script_args=script_args)
+                     script_args=script_args, min_nodes=min_nodes, node_timeout_s=node_timeout)
         from raytrain_app.report import summary
 
         click.echo(summary(result))
@@ -86,25 +91,51 @@ PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROF
                        help="A cluster profile, e.g. cluster/local.yaml.")
 
 
+def _job_on_cluster(command):
+    """The arguments that place a job on a profile's cluster: `submit`'s, and the renderers'."""
+    for option in reversed([
+        click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False)),
+        SCRIPT_ARGS,
+        PROFILE,
+        click.option("--nodes", type=int, help="Nodes to use (default: the profile's)."),
+        click.option("--gpus-per-node", type=int, help="GPUs per node; one worker per GPU (default: the profile's)."),
+        click.option("--cpus-per-node", type=int, help="CPUs per node (default: the profile's)."),
+        click.option("--workers-per-node", type=int, help="Workers per node on a CPU cluster (default 1)."),
+        click.option("--name", help="Job name (default: the config's name)."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Override a config field; repeatable."),
+        MAX_FAILURES,
+        click.option("--skip-checks", is_flag=True, help="Do not build the model and data here first (for data "
+                                                         "or packages that exist only on the cluster)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _plan(profile, config_file, script_args, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
+          overrides, max_failures, skip_checks):
+    """The job placed on the profile's cluster (`jobs.plan_submission`), its warnings said."""
+    from raytrain_app import jobs
+    from raytrain_app.api import job_config
+
+    sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as for `train`
+    overrides = [*overrides, *_failures(max_failures)]
+    _, config = job_config(config_file, overrides, script_args)
+    sub = jobs.plan_submission(profile, config, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
+                               overrides, check_builders=not skip_checks)
+    for warning in sub.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    return sub
+
+
 @main.command()
-@click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False))
-@SCRIPT_ARGS
-@PROFILE
-@click.option("--nodes", type=int, help="Nodes to use (default: the profile's).")
-@click.option("--gpus-per-node", type=int, help="GPUs per node; one worker per GPU (default: the profile's).")
-@click.option("--cpus-per-node", type=int, help="CPUs per node (default: the profile's).")
-@click.option("--workers-per-node", type=int, help="Workers per node on a CPU cluster (default 1).")
-@click.option("--name", help="Job name (default: the config's name).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field; repeatable.")
-@MAX_FAILURES
+@_job_on_cluster
 @click.option("--follow/--no-wait", default=True, help="Stream the logs and exit with the job's result "
                                                          "(default), or print the id and return.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and submit nothing.")
-@click.option("--skip-checks", is_flag=True, help="Do not build the model and data here first (for data or "
-                                                  "packages that exist only on the cluster).")
-def submit(config_file, script_args, profile_file, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
-           overrides, max_failures, follow, dry_run, skip_checks):
-    """Submit CONFIG as a Ray job to the cluster described by PROFILE.
+def submit(follow, dry_run, **job):
+    """Submit CONFIG as a job to the cluster described by PROFILE: a Ray job, or under a SLURM
+    profile an sbatch job that starts Ray in its allocation.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
     arguments after --; it travels in the profile's working_dir, or its own folder.
@@ -113,24 +144,28 @@ def submit(config_file, script_args, profile_file, nodes, gpus_per_node, cpus_pe
     Examples:
       raytrain-app submit examples/digits.yaml --cluster cluster/local.yaml --dry-run
       raytrain-app submit job.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
+      raytrain-app submit job.yaml --cluster cluster/slurm.yaml --nodes 2 --gpus-per-node 4
       raytrain-app submit train.py --cluster cluster/aws-gpu.yaml --no-wait -- --lr 0.1
     """
-    from raytrain_app.api import job_config
     from raytrain_app.console import summary_table
     from raytrain_app.dashboard import Dashboard
-    from raytrain_app import jobs
+    from raytrain_app import jobs, slurm
 
-    sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as for `train`
     with _command():
-        profile = _profile(profile_file)
-        overrides = [*overrides, *_failures(max_failures)]
-        _, config = job_config(config_file, overrides, script_args)
-        sub = jobs.plan_submission(profile, config, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
-                                   overrides, check_builders=not skip_checks)
-        for warning in sub.warnings:
-            click.echo(f"warning: {warning}", err=True)
+        profile = _profile(job.pop("profile_file"))
+        if profile.kind == "slurm" and not dry_run:
+            slurm.check_commands()
+        sub = _plan(profile, **job)
         if dry_run:
             click.echo(summary_table(sub.describe()))
+            return
+        if profile.kind == "slurm":
+            job_id = slurm.submit(sub)
+            click.echo(f"submitted SLURM job {job_id} ({sub.config.scaling.workers} workers on {sub.nodes} nodes); "
+                       f"run directory {sub.run_dir}")
+            click.echo(f"output: {slurm.log_file(profile, job_id)}")
+            if follow:
+                _exit_with(job_id, slurm.follow(profile, job_id, _chunk), "COMPLETED")
             return
         dashboard = Dashboard.for_profile(profile)
         jobs.check_cluster_can_run(sub, dashboard)
@@ -139,10 +174,18 @@ def submit(config_file, script_args, profile_file, nodes, gpus_per_node, cpus_pe
                    f"run directory {sub.run_dir}")
         click.echo(f"dashboard: {profile.jobs_address}/#/jobs/{job_id}")
         if follow:
-            status = jobs.follow(dashboard, job_id, lambda chunk: click.echo(chunk, nl=False))
-            click.echo(f"job {job_id} {status.lower()}")
-            if status != "SUCCEEDED":
-                sys.exit(EXIT_FAILED)
+            _exit_with(job_id, jobs.follow(dashboard, job_id, _chunk), "SUCCEEDED")
+
+
+def _chunk(text: str) -> None:
+    click.echo(text, nl=False)
+
+
+def _exit_with(job_id: str, status: str, success: str) -> None:
+    """The end of a followed job: its status said, and exit code 1 unless it succeeded."""
+    click.echo(f"job {job_id} {status.lower()}")
+    if status != success:
+        sys.exit(EXIT_FAILED)
 
 
 @main.command()
@@ -156,11 +199,16 @@ def status(job_id, profile_file):
       raytrain-app status digits-20261123-101500-1a2b --cluster cluster/local.yaml
       raytrain-app status JOB_ID --cluster cluster/aws-gpu.yaml
     """
-    from raytrain_app import jobs
+    from raytrain_app import jobs, slurm
     from raytrain_app.dashboard import Dashboard
 
     with _command():
-        info = jobs.job_info(Dashboard.for_profile(_profile(profile_file)), job_id)
+        profile = _profile(profile_file)
+        if profile.kind == "slurm":
+            found = slurm.job(job_id)
+            click.echo(f"{job_id}: {found.state}" + (f" ({found.reason})" if found.reason else ""))
+            return
+        info = jobs.job_info(Dashboard.for_profile(profile), job_id)
         click.echo(f"{job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
 
 
@@ -176,14 +224,21 @@ def logs(job_id, profile_file, follow):
       raytrain-app logs JOB_ID --cluster cluster/local.yaml
       raytrain-app logs JOB_ID --cluster cluster/local.yaml --follow
     """
-    from raytrain_app import jobs
+    from raytrain_app import jobs, slurm
     from raytrain_app.dashboard import Dashboard
 
     with _command():
-        dashboard = Dashboard.for_profile(_profile(profile_file))
+        profile = _profile(profile_file)
+        if profile.kind == "slurm":
+            if follow:
+                slurm.follow(profile, job_id, _chunk)
+            else:
+                click.echo(slurm.logs(profile, job_id), nl=False)
+            return
+        dashboard = Dashboard.for_profile(profile)
         if follow:
             jobs.job_info(dashboard, job_id)
-            jobs.follow(dashboard, job_id, lambda chunk: click.echo(chunk, nl=False))
+            jobs.follow(dashboard, job_id, _chunk)
         else:
             click.echo(jobs.logs(dashboard, job_id), nl=False)
 
@@ -199,11 +254,13 @@ def stop(job_id, profile_file):
       raytrain-app stop JOB_ID --cluster cluster/local.yaml
       raytrain-app list --cluster cluster/local.yaml --status running
     """
-    from raytrain_app import jobs
+    from raytrain_app import jobs, slurm
     from raytrain_app.dashboard import Dashboard
 
     with _command():
-        click.echo(f"{job_id}: {jobs.stop(Dashboard.for_profile(_profile(profile_file)), job_id)}")
+        profile = _profile(profile_file)
+        ended = slurm.stop(job_id) if profile.kind == "slurm" else jobs.stop(Dashboard.for_profile(profile), job_id)
+        click.echo(f"{job_id}: {ended}")
 
 
 @main.command("list")
@@ -222,11 +279,15 @@ def list_(profile_file, statuses, as_json):
     """
     import json
 
-    from raytrain_app import jobs
+    from raytrain_app import jobs, slurm
     from raytrain_app.dashboard import Dashboard
 
     with _command():
-        rows = [jobs.job_row(j) for j in jobs.list_jobs(Dashboard.for_profile(_profile(profile_file)), statuses)]
+        profile = _profile(profile_file)
+        if profile.kind == "slurm":
+            rows = [j.row() for j in slurm.jobs(statuses)]
+        else:
+            rows = [jobs.job_row(j) for j in jobs.list_jobs(Dashboard.for_profile(profile), statuses)]
         click.echo(json.dumps(rows, indent=1) if as_json else jobs.jobs_table(rows))
 
 
@@ -438,18 +499,29 @@ def cluster_down(profile_file):
 @cluster.command("status")
 @click.argument("profile_file", metavar="PROFILE", type=click.Path(dir_okay=False))
 def cluster_status(profile_file):
-    """Show the cluster's nodes, their free and total CPUs and GPUs, and the running jobs.
+    """Show the cluster's nodes, their free and total CPUs and GPUs, and the running jobs (for a
+    SLURM profile: the partition's nodes and your jobs).
 
     \b
     Examples:
       raytrain-app cluster status cluster/local.yaml
       raytrain-app cluster status cluster/aws-gpu.yaml
     """
-    from raytrain_app import jobs
+    from raytrain_app import jobs, slurm
     from raytrain_app.dashboard import Dashboard
 
     with _command():
         profile = _profile(profile_file)
+        if profile.kind == "slurm":
+            partition, slurm_nodes = slurm.partition_nodes(profile)
+            click.echo(f"SLURM partition '{partition}': {len(slurm_nodes)} nodes")
+            for n in slurm_nodes:
+                click.echo(f"  node {n.name:<12} {n.state:<6}  {n.cpus} CPUs  {n.gpus} GPUs")
+            active = [j.row() for j in slurm.jobs(("PENDING", "RUNNING"))]
+            click.echo(f"your running and pending jobs: {len(active)}")
+            if active:
+                click.echo(jobs.jobs_table(active))
+            return
         dashboard = Dashboard.for_profile(profile)
         nodes, free = dashboard.alive_nodes(), dashboard.free()
 
@@ -466,6 +538,31 @@ def cluster_status(profile_file):
         click.echo(f"running jobs: {len(running)}")
         if running:
             click.echo(jobs.jobs_table(running))
+
+
+@main.group("slurm")
+def slurm_():
+    """SLURM clusters (profiles of kind: slurm)."""
+
+
+@slurm_.command("render")
+@_job_on_cluster
+def slurm_render(**job):
+    """Print the sbatch script `submit` would hand to SLURM, for submitting by hand: it starts Ray
+    on the allocation's nodes and trains there. Nothing is checked against SLURM or written.
+
+    \b
+    Examples:
+      raytrain-app slurm render job.yaml --cluster cluster/slurm.yaml --nodes 2 --gpus-per-node 4 > job.sbatch
+      sbatch job.sbatch
+    """
+    from raytrain_app import slurm
+
+    with _command():
+        profile = _profile(job.pop("profile_file"))
+        if profile.kind != "slurm":
+            raise UserError(f"{profile.source} is a profile of kind: {profile.kind}; slurm render needs kind: slurm")
+        click.echo(slurm.render(_plan(profile, **job)), nl=False)
 
 
 def _profile(path: str):

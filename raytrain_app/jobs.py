@@ -53,7 +53,7 @@ class Submission:
         shown_env = {**self.runtime_env, "env_vars": mask(self.runtime_env.get("env_vars", {}))}
         shown_env["env_vars"][CONFIG_ENV] = f"<resolved job config, {len(self.runtime_env['env_vars'][CONFIG_ENV])} bytes>"
         return [
-            ("cluster", f"{self.profile.name} ({self.profile.jobs_address})"),
+            ("cluster", f"{self.profile.name} ({self.profile.where})"),
             ("submission id", self.submission_id),
             ("workers", f"{s.workers} = {self.nodes} nodes x {self.workers_per_node} per node"),
             ("per worker", per_worker),
@@ -115,7 +115,7 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     elif check_builders:
         with running_in(working_dir):  # where the job runs: imports and relative paths as there
             check_data_and_model(config)
-    if working_dir:
+    if working_dir and profile.kind != "slurm":  # SLURM jobs run in it on a shared filesystem: no upload
         check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
                           profile.source)
     submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
@@ -130,6 +130,8 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     }
     entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - --address auto "
                   f"--run-dir {shlex.quote(run_dir)}")
+    if profile.kind == "slurm":  # the allocation's other nodes join Ray while the entrypoint starts
+        entrypoint += f" --min-nodes {nodes} --node-timeout {profile.slurm.node_wait_s:g}"
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source))
 

@@ -38,6 +38,7 @@ def running_dir() -> Path:
 
 
 def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
+    _check_startable(profile, "up")
     if profile.launcher:
         _launcher("up", profile)
         return
@@ -67,6 +68,7 @@ def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
 
 
 def cluster_down(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
+    _check_startable(profile, "down")
     if profile.launcher:
         _launcher("down", profile)
         return
@@ -77,6 +79,18 @@ def cluster_down(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
         return
     stopped = stop_nodes(profile, leaders)
     echo(f"cluster '{profile.name}' is down ({stopped} node processes stopped)")
+
+
+def _check_startable(profile: ClusterProfile, verb: str) -> None:
+    """Only local nodes and Ray's launcher are ours to start and stop."""
+    owner = {"slurm": "SLURM allocates nodes per job, and each job starts and stops its own Ray",
+             "kuberay": "KubeRay's operator runs its clusters (`raytrain-app k8s render` writes a RayJob that "
+                        "brings one)"}.get(profile.kind)
+    if not owner and not profile.is_local and not profile.launcher:
+        owner = f"it names a running cluster ({profile.jobs_address}) and no launcher: file"
+    if owner:
+        raise UserError(f"cluster {verb}: nothing to {'start' if verb == 'up' else 'stop'} for {profile.source}: "
+                        f"{owner}")
 
 
 def running_pids(profile: ClusterProfile) -> list[int]:

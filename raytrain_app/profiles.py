@@ -1,9 +1,16 @@
 """Cluster profiles (`cluster/*.yaml`): where a job runs and what the cluster looks like.
 
-A profile names a cluster's Jobs address (or `local`, a cluster that `cluster up` starts on this
-machine), its shape (nodes x GPUs and CPUs per node, the defaults that CLI flags override), the
-shared storage for run directories, the runtime_env jobs carry, and where the Ray token lives.
-The token itself never appears in a profile: only the name of an env var or file holding it.
+A profile's `kind` says who owns the cluster:
+- `ray`: a running Ray cluster's Jobs address (or `local`, a cluster that `cluster up` starts on
+  this machine);
+- `kuberay`: the same Jobs path to a KubeRay RayCluster's dashboard, plus what `k8s render`
+  needs to write a RayJob that brings its own cluster;
+- `slurm`: SLURM allocates the nodes and each job starts its own Ray inside the allocation.
+
+It also holds the cluster's shape (nodes x GPUs and CPUs per node, the defaults that CLI flags
+override), the shared storage for run directories, the environment jobs carry, and where the Ray
+token lives. The token itself never appears in a profile: only the name of an env var or file
+holding it.
 """
 
 from __future__ import annotations
@@ -65,8 +72,80 @@ class LocalNodes(Section):
                                                                      "characters (Ray's socket paths must fit)")
 
 
+class Slurm(Section):
+    """How `submit` asks SLURM for nodes and starts Ray inside them (see `slurm.py`)."""
+
+    partition: Optional[str] = Field(None, description="sbatch --partition, checked against sinfo before submitting "
+                                                       "(default: the cluster's default partition)")
+    account: Optional[str] = Field(None, description="sbatch --account")
+    time_limit: Optional[str] = Field(None, description="sbatch --time: MINUTES, HH:MM:SS or DAYS-HH:MM:SS")
+    sbatch_options: list[str] = Field(default_factory=list, description='more sbatch options, one per item, e.g. '
+                                                                        '"--qos=high" or "--constraint=a100"')
+    setup: list[str] = Field(default_factory=list, description="shell lines run before Ray starts, e.g. `module "
+                                                               "load cuda/12.4`, `source ~/venv/bin/activate`; "
+                                                               "srun hands their environment to every node")
+    socket_ifname: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.:-]+$",
+                                         description="the interface nodes reach each other on: Ray's node "
+                                                     "address, NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME")
+    node_wait_s: float = Field(600.0, gt=0, allow_inf_nan=False,
+                               description="how long a job waits for every node's Ray to join (Ray's own "
+                                           "symmetric-run gives up after 30 s)")
+    node_tmp: str = Field("/tmp", pattern=r"^/\S*$", max_length=32,
+                          description="node-local disk for Ray's temp dir, NODE_TMP/rt-JOBID (Ray's Unix "
+                                      "socket paths must stay under 107 bytes)")
+    port_min: int = Field(10000, ge=1024, le=65535, description="each job's Ray ports are a block of 200 in "
+                                                               "[port_min, port_max], chosen by its job id, so "
+                                                               "two jobs sharing a node never collide")
+    port_max: int = Field(32767, ge=1024, le=65535, description="keep below the kernel's ephemeral ports (32768+)")
+    log_dir: Optional[str] = Field(None, description="a shared directory for SLURM's job output files, "
+                                                     "raytrain-JOBID.out (default: STORAGE/slurm-logs; required "
+                                                     "when storage is a URI)")
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", value):
+            raise ValueError(f"must be MINUTES, HH:MM:SS or DAYS-HH:MM:SS (sbatch --time), got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _ports(self):
+        if self.port_max - self.port_min + 1 < PORT_BLOCK:
+            raise ValueError(f"port_max: [port_min, port_max] must hold at least one block of {PORT_BLOCK} ports")
+        return self
+
+
+PORT_BLOCK = 200  # a job's Ray ports: GCS, client, dashboard, agent, then its workers'
+
+
+class KubeRay(Section):
+    """What `k8s render` writes into a RayJob (see `kuberay.py`)."""
+
+    image: Optional[str] = Field(None, description="the container image for head and workers: Ray, torch and "
+                                                   "raytrain-app installed (e.g. built FROM rayproject/ray)")
+    namespace: Optional[str] = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    ray_version: Optional[str] = Field(None, pattern=r"^\d+\.\d+(\.\d+)?$",
+                                       description="rayClusterSpec.rayVersion (default: the Ray installed here)")
+    head_cpus: float = Field(2.0, gt=0, description="the head pod's CPUs; it runs no training worker")
+    head_memory_gb: float = Field(8.0, gt=0)
+    worker_memory_gb: float = Field(32.0, gt=0, description="each worker pod's memory")
+    service_account: Optional[str] = Field(None, description="serviceAccountName of every pod, e.g. for "
+                                                             "object-storage credentials")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector of the worker pods, "
+                                                                            "e.g. a GPU node pool")
+    ttl_seconds_after_finished: int = Field(600, ge=0, description="how long the finished cluster stays for a "
+                                                                   "look at its logs")
+    backoff_limit: int = Field(2, ge=0, le=10, description="retries, each on a new RayCluster; they resume from "
+                                                          "the run directory in storage")
+    active_deadline_s: Optional[int] = Field(None, gt=0, description="activeDeadlineSeconds: fail a job running "
+                                                                    "longer than this")
+
+
 class ClusterProfile(Section):
     name: str = Field("local", pattern=r"^[A-Za-z0-9_.-]+$")
+    kind: Literal["ray", "kuberay", "slurm"] = Field("ray", description="ray: a Ray cluster's Jobs API; kuberay: "
+                                                                        "the same, plus `k8s render`; slurm: "
+                                                                        "sbatch, and Ray inside each allocation")
     address: str = Field("local", description="local: `cluster up` runs the nodes here; or http://HOST:PORT, a "
                                               "cluster's dashboard")
     nodes: int = Field(1, ge=1, description="defaults for --nodes, --gpus-per-node, --cpus-per-node")
@@ -81,6 +160,8 @@ class ClusterProfile(Section):
                                                       "up/down on it")
     local: LocalNodes = Field(default_factory=LocalNodes)
     connect_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
+    slurm: Slurm = Field(default_factory=Slurm, description="kind: slurm only")
+    kuberay: KubeRay = Field(default_factory=KubeRay, description="kind: kuberay only")
     _source: str = PrivateAttr("")
 
     @field_validator("address")
@@ -89,6 +170,24 @@ class ClusterProfile(Section):
         if value != "local" and not re.match(r"https?://[^/\s]+", value):
             raise ValueError("must be local or http://HOST:PORT")
         return value
+
+    @model_validator(mode="after")
+    def _fields_of_the_kind(self):
+        """A key that the profile's kind never reads is a mistake, not a silent no-op."""
+        unused = {"ray": {"slurm", "kuberay"}, "kuberay": {"slurm", "launcher", "local"},
+                  "slurm": {"kuberay", "address", "launcher", "local", "auth", "connect_timeout_s"}}[self.kind]
+        for key in sorted(unused & self.model_fields_set):
+            raise ValueError(f"{key}: does not apply to kind: {self.kind}")
+        if self.kind == "kuberay" and self.address == "local":
+            raise ValueError("address: kind: kuberay needs the RayCluster's dashboard, http://HOST:PORT")
+        if self.kind == "slurm":
+            if self.runtime_env.pip or {"max_upload_mb", "excludes"} & self.runtime_env.model_fields_set:
+                raise ValueError("runtime_env: under SLURM jobs run from a shared filesystem: set slurm.setup "
+                                 "to activate an environment; only working_dir and env_vars apply")
+            if "://" in self.storage and not self.slurm.log_dir:
+                raise ValueError("slurm.log_dir: storage is a URI, and SLURM writes job output to a file: name "
+                                 "a shared directory")
+        return self
 
     @model_validator(mode="after")
     def _launcher_not_local(self):
@@ -106,7 +205,14 @@ class ClusterProfile(Section):
 
     @property
     def is_local(self) -> bool:
-        return self.address == "local"
+        return self.kind == "ray" and self.address == "local"
+
+    @property
+    def where(self) -> str:
+        """The cluster, as messages name it."""
+        if self.kind == "slurm":
+            return f"SLURM partition {self.slurm.partition}" if self.slurm.partition else "SLURM's default partition"
+        return self.jobs_address
 
     @property
     def jobs_address(self) -> str:

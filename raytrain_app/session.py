@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -62,28 +63,42 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
 
 @contextmanager
 def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optional[str], verbose: bool,
-                echo: Callable[[str], None], spare_cpus: float = 0) -> Iterator[None]:
+                echo: Callable[[str], None], spare_cpus: float = 0, min_nodes: int = 1,
+                node_timeout_s: float = 0) -> Iterator[None]:
     """The cluster for `scaling`'s workers (see `choose_cluster`), said when it is not the obvious
-    one, connected for the block: what `train`, `evaluate` and `predict` share."""
+    one, connected for the block: what `train`, `evaluate` and `predict` share. A joined cluster
+    whose nodes are still starting (a SLURM allocation's) is given `node_timeout_s` to reach
+    `min_nodes`."""
     choice = choose_cluster(address, scaling.workers, scaling.cpus_per_worker, scaling.gpus_per_worker)
+    if min_nodes > 1 and not choice.address:
+        raise UserError(f"--min-nodes {min_nodes} is for joining a running cluster: name it with --address")
     if choice.note:
         echo(choice.note)
     needed = int(scaling.workers * scaling.cpus_per_worker + spare_cpus + 0.999)
-    with ray_session(choice, max(os.cpu_count() or 1, needed), log_dir, verbose):
-        yield
-
-
-@contextmanager
-def ray_session(choice: ClusterChoice, num_cpus: int, log_dir: Optional[str] = None,
-                verbose: bool = False) -> Iterator[None]:
     if choice.current:  # the caller's connection, left as it was
         yield
     elif choice.address is None:
-        with embedded_cluster(num_cpus, log_dir=log_dir, verbose=verbose):
+        with embedded_cluster(max(os.cpu_count() or 1, needed), log_dir=log_dir, verbose=verbose):
             yield
     else:
         with connected(choice.address, log_dir, verbose, choice.auth_env):
+            if min_nodes > 1:
+                wait_for_nodes(min_nodes, node_timeout_s, echo)
             yield
+
+
+def wait_for_nodes(count: int, timeout_s: float, echo: Callable[[str], None]) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    said = 0
+    while (alive := sum(n["Alive"] for n in ray.nodes())) < count:
+        if time.monotonic() > deadline:
+            raise UserError(f"only {alive} of {count} nodes joined the Ray cluster within {timeout_s:g}s")
+        if alive != said:
+            echo(f"waiting for nodes: {alive} of {count} joined")
+            said = alive
+        time.sleep(1)
 
 
 def running_local_cluster(workers: int, cpus_per_worker: float, gpus_per_worker: float) -> Optional[ClusterProfile]:

@@ -1,6 +1,8 @@
 """The DDP loop on a real Ray cluster: 2 Gloo workers on CPU, checked against single-process math."""
 
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from raytrain_app.errors import UserError
 from raytrain_app.loop import seed_everything
 from raytrain_app.models import build_model
 from raytrain_app.plan import make_plan
+from raytrain_app.session import wait_for_nodes
 from raytrain_app.trainer import run_training
 from tests.helpers import write_parquet
 
@@ -91,6 +94,16 @@ def test_a_run_the_cluster_cannot_hold_is_one_line_before_any_worker_starts(tabl
             run(job(**{"data": table, **sections}), tmp_path / "run")
         assert str(refused.value).startswith(message), str(refused.value)
         assert not (tmp_path / "run").exists()
+
+
+def test_a_cluster_short_of_nodes_is_waited_for_then_named():
+    """What a SLURM job's entrypoint does while the allocation's nodes start Ray (`--min-nodes`)."""
+    said = []
+    wait_for_nodes(1, 0, said.append)  # the session's one node is there
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"^only 1 of 2 nodes joined the Ray cluster within 1.5s$"):
+        wait_for_nodes(2, 1.5, said.append)
+    assert 1.5 <= time.monotonic() - start < 5 and said == ["waiting for nodes: 1 of 2 joined"]
 
 
 def recorded_run(tmp_path, name: str):

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 
 import jsonschema
 import pytest
@@ -12,6 +13,7 @@ import yaml
 from raytrain_app.config import load_config
 from raytrain_app.errors import UserError
 from raytrain_app.jobs import plan_submission
+from raytrain_app.localnodes import cluster_down, cluster_up
 from raytrain_app.profiles import load_profile
 
 SHIPPED = sorted(glob.glob("cluster/*.yaml"))
@@ -20,8 +22,9 @@ with open(os.path.join(os.path.dirname(ray.__file__), "autoscaler", "ray-schema.
     RAY_LAUNCHER_SCHEMA = json.load(_f)
 
 
-def test_all_four_profiles_ship():
-    assert [p.split("/")[-1] for p in SHIPPED] == ["aws-gpu.yaml", "local-2node.yaml", "local.yaml", "onprem.yaml"]
+def test_all_profiles_ship():
+    assert [p.split("/")[-1] for p in SHIPPED] == ["aws-gpu.yaml", "local-2node.yaml", "local.yaml", "onprem.yaml",
+                                                   "slurm.yaml"]
 
 
 @pytest.mark.parametrize("path", SHIPPED)
@@ -31,7 +34,8 @@ def test_shipped_profiles_load(path):
         with open(profile.path(profile.launcher)) as f:
             launcher = yaml.safe_load(f)
         jsonschema.validate(launcher, RAY_LAUNCHER_SCHEMA)  # what `ray up` checks before it starts anything
-    assert profile.jobs_address.startswith("http://127.0.0.1:")  # dashboards stay on loopback
+    if profile.kind != "slurm":
+        assert profile.jobs_address.startswith("http://127.0.0.1:")  # dashboards stay on loopback
 
 
 def test_the_launcher_schema_catches_mistakes():
@@ -109,3 +113,31 @@ def test_submit_says_when_the_cluster_shape_replaces_a_set_value():
         "--set scaling.workers=8 is replaced by the cluster's shape (2 nodes x 1 workers): workers is 2",
         "--set scaling.cpus_per_worker=1.0 is replaced by the cluster's shape (2 nodes x 1 workers): "
         "cpus_per_worker is 2.0"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"kind": "slurm", "address": "http://head:8265"}, "address: does not apply to kind: slurm"),
+    ({"kind": "slurm", "storage": "s3://bucket/runs"}, "slurm.log_dir: storage is a URI"),
+    ({"kind": "slurm", "runtime_env": {"pip": ["torch"]}}, "runtime_env: under SLURM jobs run from a shared"),
+    ({"kind": "slurm", "slurm": {"time_limit": "2h"}}, "slurm.time_limit: must be MINUTES, HH:MM:SS or DAYS-HH:MM:SS (sbatch --time), got '2h'"),
+    ({"kind": "slurm", "slurm": {"port_min": 30000, "port_max": 30100}}, "at least one block of 200 ports"),
+    ({"kind": "kuberay"}, "address: kind: kuberay needs the RayCluster's dashboard"),
+    ({"slurm": {"partition": "gpu"}}, "slurm: does not apply to kind: ray"),
+    ({"kuberay": {"image": "x"}}, "kuberay: does not apply to kind: ray"),
+])
+def test_a_key_the_profiles_kind_never_reads_is_refused(tmp_path, fields, message):
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(fields))
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_profile(str(tmp_path / "p.yaml"))
+
+
+@pytest.mark.parametrize("fields, owner", [
+    ({"kind": "slurm"}, "SLURM allocates nodes per job"),
+    ({"kind": "kuberay", "address": "http://127.0.0.1:8265"}, "KubeRay's operator runs its clusters"),
+    ({"address": "http://127.0.0.1:8265"}, "it names a running cluster (http://127.0.0.1:8265) and no launcher"),
+])
+def test_cluster_up_and_down_start_only_what_is_theirs(tmp_path, fields, owner):
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(fields))
+    for verb in (cluster_up, cluster_down):
+        with pytest.raises(UserError, match=re.escape(owner)):
+            verb(load_profile(str(tmp_path / "p.yaml")), print)
