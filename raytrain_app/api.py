@@ -17,7 +17,7 @@ from raytrain_app.errors import UserError
 
 def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequence[str]] = None,
         workers: Optional[int] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
-        address: Optional[str] = None, resume: bool = False, verbose: bool = False, progress: bool = False,
+        address: Optional[str] = None, resume: Union[bool, str] = False, verbose: bool = False, progress: bool = False,
         echo: Callable[[str], None] = print, started: Optional[float] = None, script_args: Sequence[str] = (),
         min_nodes: int = 1, node_timeout_s: float = 600):
     """Train `config` (a YAML path, "-" for standard input, a dict, or a JobConfig) and return the
@@ -29,7 +29,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
 
     In a dict or JobConfig, `model.name` and `data.name` may be the builder functions themselves
     (a notebook's, say). `overrides` are `--set` expressions; `workers`/`gpus_per_worker` set the
-    scaling; `address` picks the cluster as `--address` does, and a process already connected to
+    scaling; `resume` True continues a run (see `make_plan` for "if_any"); `address` picks the cluster as `--address` does, and a process already connected to
     Ray (`ray.init()` done) trains there, and a cluster at `address` gets `node_timeout_s` to
     reach `min_nodes` nodes; `echo` receives the console lines. Raises UserError
     (ConfigError) for anything the user can fix, TrainingFailed when training started and did not

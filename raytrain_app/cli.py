@@ -46,6 +46,8 @@ SCRIPT_ARGS = click.argument("script_args", metavar="[-- SCRIPT_ARGS]", nargs=-1
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field; repeatable.")
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir (default: the latest run of this "
                                              "job) from its latest checkpoint.")
+@click.option("--resume-if-any", is_flag=True, help="Continue the run in --run-dir if it holds a checkpoint, else "
+                                                    "start it (for jobs a scheduler may run again).")
 @click.option("--address", help="Join the running cluster at this GCS address (HOST:PORT; 'auto' reads "
                                 "$RAY_ADDRESS, as set inside Ray jobs); 'local' always starts an embedded "
                                 "cluster. Default: a local cluster `cluster up` started, if one is up and "
@@ -57,8 +59,8 @@ SCRIPT_ARGS = click.argument("script_args", metavar="[-- SCRIPT_ARGS]", nargs=-1
               help="Seconds to wait for --min-nodes.")
 @MAX_FAILURES
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs and worker output.")
-def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides, max_failures, resume, address,
-          min_nodes, node_timeout, verbose):
+def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides, max_failures, resume,
+          resume_if_any, address, min_nodes, node_timeout, verbose):
     """Train CONFIG (a YAML file, or - for standard input) on Ray.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
@@ -75,7 +77,8 @@ def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides
     sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as on the workers
     with _command():
         result = fit(config_file, overrides=[*overrides, *_failures(max_failures)], workers=workers,
-                     gpus_per_worker=gpus_per_worker, run_dir=run_dir, address=address, resume=resume,
+                     gpus_per_worker=gpus_per_worker, run_dir=run_dir, address=address,
+                     resume="if_any" if resume_if_any else resume,
                      verbose=verbose, progress=sys.stdout.isatty(), echo=click.echo, started=STARTED,
                      script_args=script_args, min_nodes=min_nodes, node_timeout_s=node_timeout)
         from raytrain_app.report import summary
@@ -563,6 +566,36 @@ def slurm_render(**job):
         if profile.kind != "slurm":
             raise UserError(f"{profile.source} is a profile of kind: {profile.kind}; slurm render needs kind: slurm")
         click.echo(slurm.render(_plan(profile, **job)), nl=False)
+
+
+@main.group("k8s")
+def k8s():
+    """Kubernetes through KubeRay (profiles of kind: kuberay)."""
+
+
+@k8s.command("render")
+@_job_on_cluster
+def k8s_render(**job):
+    """Print a KubeRay RayJob (ray.io/v1) that runs the job on a cluster of its own: a head and
+    --nodes worker pods of --gpus-per-node GPUs each, deleted when the job ends. Retries run on a
+    new cluster and resume from the run directory in the profile's storage.
+
+    \b
+    Examples:
+      raytrain-app k8s render job.yaml --cluster cluster/kuberay.yaml --nodes 2 --gpus-per-node 4 > rayjob.yaml
+      kubectl apply -f rayjob.yaml
+    """
+    from raytrain_app import kuberay
+
+    with _command():
+        profile = _profile(job.pop("profile_file"))
+        if profile.kind != "kuberay":
+            raise UserError(f"{profile.source} is a profile of kind: {profile.kind}; k8s render needs kind: kuberay")
+        sub = _plan(profile, **job)
+        manifest = kuberay.render(sub)
+        for warning in kuberay.warnings(sub):
+            click.echo(f"warning: {warning}", err=True)
+        click.echo(kuberay.to_yaml(manifest), nl=False)
 
 
 def _profile(path: str):

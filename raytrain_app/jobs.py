@@ -128,8 +128,9 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
         **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
         "env_vars": {**profile.job_env_vars(), CONFIG_ENV: dump_yaml(config)},
     }
+    # A job its scheduler runs again (a retried RayJob, a requeued SLURM job) continues its run.
     entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - --address auto "
-                  f"--run-dir {shlex.quote(run_dir)}")
+                  f"--run-dir {shlex.quote(run_dir)} --resume-if-any")
     if profile.kind == "slurm":  # the allocation's other nodes join Ray while the entrypoint starts
         entrypoint += f" --min-nodes {nodes} --node-timeout {profile.slurm.node_wait_s:g}"
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,

@@ -11,7 +11,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from raytrain_app import registry, storage, tracking
 from raytrain_app.config import HIGHER_IS_BETTER, JobConfig, updated
@@ -46,11 +46,17 @@ class RunPlan:
             storage.upload(self.log_dir, storage.join(self.run_dir, "logs"))
 
 
-def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: bool = False,
+def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bool, str] = False,
               source: str = "config") -> RunPlan:
+    """`resume` "if_any" continues `run_dir` when it holds a checkpoint and starts it otherwise: the
+    entrypoint of a job that its scheduler may run again (a retried RayJob, a requeued SLURM job)."""
     config = resolve_auto(config)
+    if resume == "if_any" and not run_dir:
+        raise UserError("--resume-if-any needs --run-dir: the run it may continue")
     run_dir = storage.normalize(run_dir or _latest_or_new_run_dir(config.name, resume))
     has_checkpoint = storage.exists(storage.join(run_dir, CHECKPOINT_SNAPSHOT))
+    if resume == "if_any":
+        resume = has_checkpoint
     if resume and not has_checkpoint:
         raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
     if not resume and has_checkpoint:

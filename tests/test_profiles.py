@@ -23,8 +23,8 @@ with open(os.path.join(os.path.dirname(ray.__file__), "autoscaler", "ray-schema.
 
 
 def test_all_profiles_ship():
-    assert [p.split("/")[-1] for p in SHIPPED] == ["aws-gpu.yaml", "local-2node.yaml", "local.yaml", "onprem.yaml",
-                                                   "slurm.yaml"]
+    assert [p.split("/")[-1] for p in SHIPPED] == ["aws-gpu.yaml", "kuberay.yaml", "local-2node.yaml", "local.yaml",
+                                                   "onprem.yaml", "slurm.yaml"]
 
 
 @pytest.mark.parametrize("path", SHIPPED)

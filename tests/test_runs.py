@@ -16,7 +16,7 @@ import pytest
 from raytrain_app import runs
 from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.errors import UserError
-from raytrain_app.plan import CHECKPOINT_SNAPSHOT
+from raytrain_app.plan import CHECKPOINT_SNAPSHOT, make_plan
 
 NOW = time.time()
 
@@ -204,3 +204,16 @@ def test_json_lists_every_field(tmp_path):
 def test_a_missing_directory_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no such directory: .*nowhere"):
         runs.find_runs(str(tmp_path / "nowhere"))
+
+
+def test_resume_if_any_starts_a_fresh_run_dir_and_continues_one_with_a_checkpoint(tmp_path):
+    """The entrypoint of a job its scheduler may run again (a retried RayJob, a requeued SLURM job)."""
+    config = JobConfig.from_dict({"name": "again", "train": {"epochs": 1}})
+    assert make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any").resume is False
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / CHECKPOINT_SNAPSHOT).write_text("{}")
+    assert make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any").resume is True
+    with pytest.raises(UserError, match="already holds a run"):  # without it, a second start is refused
+        make_plan(config, run_dir=str(tmp_path / "run"))
+    with pytest.raises(UserError, match="--resume-if-any needs --run-dir"):
+        make_plan(config, resume="if_any")

@@ -127,19 +127,24 @@ def wait_for_log(job_id, profile_file, pattern) -> None:
         time.sleep(2)
 
 
-def test_status_logs_and_stop_on_a_long_job(two_nodes):
+def test_status_logs_and_stop_on_a_long_job(two_nodes, tmp_path):
     profile_file, profile = two_nodes
+    # A KubeRay RayCluster's dashboard is reached the same way: a kind: kuberay profile naming it.
+    kuberay_file = tmp_path / "kuberay.yaml"
+    kuberay_file.write_text(yaml.safe_dump({"kind": "kuberay", "address": profile.jobs_address,
+                                            "auth": {"token_file": profile.auth.token_file}}))
     job_id = submit_long_job(profile_file)
     wait_for_log(job_id, profile_file, r"epoch +1/500")
     # While it runs, every view of it at once: Ray's own `ray job logs`, status, list, list --json, cluster status.
-    with ThreadPoolExecutor(5) as pool:
+    with ThreadPoolExecutor(6) as pool:
         ray_logs = pool.submit(ray_cli, profile, "logs", job_id)
-        status, listed, as_json, cluster = pool.map(lambda args: cli(*args).stdout, [
+        status, listed, as_json, cluster, via_kuberay = pool.map(lambda args: cli(*args).stdout, [
             ("status", job_id, "--cluster", profile_file), ("list", "--cluster", profile_file),
-            ("list", "--cluster", profile_file, "--status", "running", "--json"), ("cluster", "status", profile_file)])
+            ("list", "--cluster", profile_file, "--status", "running", "--json"), ("cluster", "status", profile_file),
+            ("status", job_id, "--cluster", str(kuberay_file))])
     code, said = ray_logs.result()
     assert code == 0 and re.search(r"epoch +1/500", said)
-    assert status.startswith(f"{job_id}: RUNNING")
+    assert status.startswith(f"{job_id}: RUNNING") and via_kuberay.startswith(f"{job_id}: RUNNING")
     assert listed.split()[:7] == ["ID", "NAME", "STATUS", "START", "DURATION", "WORKERS", "RUN"]
     assert re.search(rf"{job_id} +digits +RUNNING +\d{{4}}-\d\d-\d\d \d\d:\d\d +\d+m\d\ds +2x1 CPU +\S+/{job_id}",
                      listed)

@@ -1,0 +1,159 @@
+"""`k8s render`: the RayJob manifest, checked against the part of KubeRay's RayJob schema it uses
+and the operator's own rules, and against a golden file for 2 nodes x 4 GPUs.
+
+No Kubernetes runs here: nothing in this file shows that an operator accepts or runs the
+manifest, only that it has the fields, types and values KubeRay v1.7.0 defines.
+"""
+
+import copy
+import os
+import re
+
+import jsonschema
+import pytest
+import yaml
+
+from raytrain_app.config import JobConfig
+from tests.commands import command
+from tests.conftest import REPO
+
+GOLDEN = os.path.join(REPO, "tests", "golden", "rayjob-2x4-gpu.yaml")
+
+# The RayJob fields raytrain-app writes, with their types as KubeRay v1.7.0 defines them
+# (ray-operator/apis/ray/v1/rayjob_types.go and raycluster_types.go; types and patterns as in
+# config/crd/bases/ray.io_rayjobs.yaml). Stricter than the CRD in two ways: unknown keys are
+# refused (Kubernetes would silently drop a misspelt field), and submissionMode is checked
+# against the Go constants (the CRD has no enum for it).
+QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+INT32 = {"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1}
+
+
+def strict(properties: dict, required: tuple = ()) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+RESOURCES = strict({"limits": {"type": "object", "additionalProperties": QUANTITY},
+                    "requests": {"type": "object", "additionalProperties": QUANTITY}})
+CONTAINER = strict({"name": {"type": "string"}, "image": {"type": "string"}, "resources": RESOURCES,
+                    "ports": {"type": "array", "items": strict({"containerPort": INT32, "name": {"type": "string"}},
+                                                               ("containerPort",))}}, ("name",))
+POD_TEMPLATE = strict({"spec": strict({
+    "containers": {"type": "array", "items": CONTAINER, "minItems": 1},  # the operator wants one at least
+    "serviceAccountName": {"type": "string"}, "nodeSelector": STRINGS,
+    "tolerations": {"type": "array", "items": strict({"key": {"type": "string"}, "operator": {"type": "string"},
+                                                      "effect": {"type": "string"}})},
+}, ("containers",))})
+RAYJOB_SCHEMA = strict({
+    "apiVersion": {"const": "ray.io/v1"},
+    "kind": {"const": "RayJob"},
+    "metadata": strict({"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": STRINGS,
+                        "annotations": STRINGS}, ("name",)),
+    "spec": strict({
+        "entrypoint": {"type": "string"},
+        "runtimeEnvYAML": {"type": "string"},
+        "jobId": {"type": "string"},
+        "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]},
+        "shutdownAfterJobFinishes": {"type": "boolean"},
+        "ttlSecondsAfterFinished": {**INT32, "minimum": 0},
+        "backoffLimit": {**INT32, "minimum": 0},
+        "activeDeadlineSeconds": {**INT32, "minimum": 1},
+        "rayClusterSpec": strict({
+            "rayVersion": {"type": "string"},
+            "headGroupSpec": strict({"rayStartParams": STRINGS, "template": POD_TEMPLATE}, ("template",)),
+            "workerGroupSpecs": {"type": "array", "items": strict({
+                "groupName": {"type": "string"}, "replicas": INT32, "minReplicas": INT32, "maxReplicas": INT32,
+                "rayStartParams": STRINGS, "template": POD_TEMPLATE,
+            }, ("groupName", "minReplicas", "maxReplicas", "template"))},
+        }, ("headGroupSpec",)),
+    }),
+}, ("apiVersion", "kind", "metadata", "spec"))
+
+
+def render(*args, profile="cluster/kuberay.yaml"):
+    return command(["k8s", "render", "examples/digits.yaml", "--cluster", profile, *args], REPO, None, 60)
+
+
+def rendered_2x4() -> str:
+    proc = render("--nodes", "2", "--gpus-per-node", "4")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return proc.stdout
+
+
+def test_the_rayjob_for_two_nodes_of_four_gpus_matches_the_golden_file():
+    """Regenerate after a deliberate change with RAYTRAIN_UPDATE_GOLDEN=1."""
+    text = re.sub(r"digits-\d{8}-\d{6}-[0-9a-f]{4}", "digits-ID", rendered_2x4())
+    if os.environ.get("RAYTRAIN_UPDATE_GOLDEN") == "1":
+        with open(GOLDEN, "w") as f:
+            f.write(text)
+    with open(GOLDEN) as f:
+        assert text == f.read()
+
+
+def test_the_rayjob_fits_kuberays_schema_and_the_operators_rules():
+    manifest = yaml.safe_load(rendered_2x4())
+    jsonschema.validate(manifest, RAYJOB_SCHEMA)
+    spec, cluster = manifest["spec"], manifest["spec"]["rayClusterSpec"]
+    # ValidateRayJobMetadata: a DNS-1035 label of at most 47 characters.
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", manifest["metadata"]["name"])
+    assert len(manifest["metadata"]["name"]) <= 47
+    # ValidateRayClusterSpec: without autoscaling, replicas pinned between min and max.
+    workers = cluster["workerGroupSpecs"][0]
+    assert workers["minReplicas"] == workers["replicas"] == workers["maxReplicas"] == 2
+    limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"cpu": "16", "memory": "120Gi", "nvidia.com/gpu": "4"}
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # workers on the worker pods only
+    assert spec["shutdownAfterJobFinishes"] is True and spec["backoffLimit"] == 2
+    # A retry runs on a new cluster: the same job id and run directory, resumed if it holds a checkpoint.
+    run_dir = manifest["metadata"]["annotations"]["raytrain.run_dir"]
+    assert run_dir == "s3://my-bucket/raytrain/runs/" + spec["jobId"]
+    assert spec["entrypoint"].endswith(f"--run-dir {run_dir} --resume-if-any")
+    env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
+    config = JobConfig.from_dict(yaml.safe_load(env["RAYTRAIN_JOB_CONFIG"]))
+    assert (config.scaling.workers, config.scaling.backend, config.scaling.gpus_per_worker) == (8, "nccl", 1.0)
+    assert env["NCCL_DEBUG"] == "WARN"
+
+
+@pytest.mark.parametrize("path, value", [
+    (("spec", "backoffLimit"), "2"),
+    (("spec", "submissionMode"), "K8sMode"),
+    (("spec", "shutdownAfterJobFinish"), True),
+    (("spec", "rayClusterSpec", "headGroupSpec", "rayStartParams", "num-cpus"), 0),
+    (("spec", "rayClusterSpec", "workerGroupSpecs", 0, "groupName"), None),
+    (("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "containers", 0, "resources", "limits",
+      "nvidia.com/gpu"), "four"),
+])
+def test_the_schema_subset_refuses_what_kuberay_would(path, value):
+    """The schema above is not vacuous: each of these breaks the manifest as KubeRay reads it."""
+    manifest = copy.deepcopy(yaml.safe_load(rendered_2x4()))
+    node = manifest
+    for key in path[:-1]:
+        node = node[key]
+    if value is None:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(manifest, RAYJOB_SCHEMA)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kuberay": {"image": None}}, "kuberay.image is not set: a RayJob names the image its pods run"),
+    ({"runtime_env": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "${AWS_SECRET_ACCESS_KEY}"}}},
+     "runtime_env.env_vars.AWS_SECRET_ACCESS_KEY takes a value from this machine"),
+    ({"kind": "ray", "kuberay": None}, "is a profile of kind: ray; k8s render needs kind: kuberay"),
+])
+def test_a_render_the_profile_cannot_make_is_one_line(tmp_path, monkeypatch, change, message):
+    fields = yaml.safe_load(open(os.path.join(REPO, "cluster/kuberay.yaml")))
+    for key, value in change.items():
+        if value is None:
+            fields.pop(key)
+        elif isinstance(value, dict):
+            fields[key] = {k: v for k, v in {**fields.get(key, {}), **value}.items() if v is not None}
+        else:
+            fields[key] = value
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(fields))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "set-here")  # set, and still refused
+    proc = render(profile=str(tmp_path / "p.yaml"))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
