@@ -145,9 +145,8 @@ def submit(follow, dry_run, **job):
 
     \b
     Examples:
-      raytrain-app submit examples/digits.yaml --cluster cluster/local.yaml --dry-run
       raytrain-app submit job.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
-      raytrain-app submit job.yaml --cluster cluster/slurm.yaml --nodes 2 --gpus-per-node 4
+      raytrain-app submit job.yaml --cluster cluster/slurm.yaml --nodes 2 --dry-run
       raytrain-app submit train.py --cluster cluster/aws-gpu.yaml --no-wait -- --lr 0.1
     """
     from raytrain_app.console import summary_table
@@ -292,6 +291,64 @@ def list_(profile_file, statuses, as_json):
         else:
             rows = [jobs.job_row(j) for j in jobs.list_jobs(Dashboard.for_profile(profile), statuses)]
         click.echo(json.dumps(rows, indent=1) if as_json else jobs.jobs_table(rows))
+
+
+@main.command()
+@click.argument("config_file", metavar="[CONFIG]", required=False, type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--param", "params", multiple=True, metavar="KEY=KIND:ARGS",
+              help="A setting to sweep; repeatable. KIND: loguniform:LOW:HIGH, uniform:LOW:HIGH, "
+                   "randint:LOW:HIGH, choice:A,B,C or grid:A,B,C (every value, times --samples).")
+@click.option("--samples", type=int, default=8, show_default=True, help="Trials to sample (for grid: repeats).")
+@click.option("--max-concurrent", type=int, help="Trials at once (default: what the cluster holds: its GPUs, or "
+                                                 "CPUs, over one trial's).")
+@click.option("--scheduler", type=click.Choice(["asha", "fifo"]), default="asha", show_default=True,
+              help="asha stops weak trials after their first epochs; fifo runs every trial to the end.")
+@click.option("--metric", help="What ranks trials (default: the job's checkpoint.metric).")
+@click.option("--mode", type=click.Choice(["max", "min"]), help="Whether higher --metric is better (default: by "
+                                                                "the metric).")
+@click.option("--sweep-dir", help="Where the sweep and its trials' run directories go (path or URI). "
+                                  "Default: sweeps/NAME-TIMESTAMP.")
+@click.option("--resume", "resume_dir", metavar="SWEEP_DIR", help="Continue the sweep in SWEEP_DIR (its settings "
+                                                                  "are in it: no CONFIG or --param).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field; repeatable.")
+@click.option("--workers", type=int, help="Each trial's workers (overrides scaling.workers).")
+@click.option("--address", help="Run on the cluster at this GCS address, as for train; default: the cluster "
+                                "train would use.")
+@click.option("--verbose", is_flag=True, help="Show Ray's and Tune's own logs.")
+def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode, sweep_dir, resume_dir, overrides,
+          workers, address, verbose):
+    """Sweep hyper-parameters with Ray Tune: trials of CONFIG with sampled settings, each an
+    ordinary run under the sweep directory; at the end a table of the trials and best.yaml, the
+    best trial's config.
+
+    \b
+    Examples:
+      raytrain-app sweep job.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --param train.batch_size=choice:32,64,128
+      raytrain-app sweep job.yaml --param optimizer.lr=grid:0.1,0.01 --samples 2 --scheduler fifo --max-concurrent 2
+      raytrain-app sweep --resume sweeps/digits-20261124-101500
+    """
+    from raytrain_app import sweep as sweeps
+    from raytrain_app.api import job_config
+
+    sys.path.insert(0, os.getcwd())  # "mypkg.models:build" resolves from here, as for `train`
+    with _command():
+        if bool(config_file) == bool(resume_dir):
+            raise UserError("give CONFIG to start a sweep, or --resume SWEEP_DIR to continue one (not both)")
+        if resume_dir:
+            plan, directory = sweeps.Sweep.load(resume_dir), resume_dir
+        else:
+            sets = [*overrides, *([f"scaling.workers={workers}"] if workers is not None else [])]
+            _, config = job_config(config_file, sets)
+            plan = sweeps.plan_sweep(config, params, samples, scheduler, metric, mode, max_concurrent)
+            directory = sweep_dir or sweeps.new_sweep_dir(config.name)
+        trials, interrupted = sweeps.launch(plan, directory, bool(resume_dir), address, verbose, click.echo)
+        click.echo(sweeps.table(plan, trials))
+        best = sweeps.write_best(plan, directory, trials)
+        if best:
+            click.echo(f"best: {trials[0].name}, {plan.metric} {trials[0].best:.4f}; its config: {best}")
+        if interrupted:
+            click.echo(f"interrupted: `raytrain-app sweep --resume {directory}` continues", err=True)
+            sys.exit(130)
 
 
 CHECKPOINT = click.option("--checkpoint", "which", default="best", show_default=True, metavar="best|latest|NAME",
@@ -557,7 +614,7 @@ def slurm_render(**job):
     \b
     Examples:
       raytrain-app slurm render job.yaml --cluster cluster/slurm.yaml --nodes 2 --gpus-per-node 4 > job.sbatch
-      sbatch job.sbatch
+      # then, on a login node: sbatch job.sbatch
     """
     from raytrain_app import slurm
 
@@ -583,7 +640,7 @@ def k8s_render(**job):
     \b
     Examples:
       raytrain-app k8s render job.yaml --cluster cluster/kuberay.yaml --nodes 2 --gpus-per-node 4 > rayjob.yaml
-      kubectl apply -f rayjob.yaml
+      # then: kubectl apply -f rayjob.yaml
     """
     from raytrain_app import kuberay
 

@@ -360,14 +360,19 @@ class JobConfig(Section):
                          f"{', '.join(SCRIPT_SECTIONS)})" for key in ("seed", "model", "data", "task", "optimizer",
                                                                     "schedule", "train", "strategy", "tracking")
                          if getattr(self, key) != JobConfig.model_fields[key].get_default(call_default_factory=True)]
-        names = self.task.metric_names
-        metric = self.checkpoint.metric
-        if names is not None and metric not in ("auto", "train_loss", "eval_loss", *(f"eval_{m}" for m in names)):
-            problems.append(f"checkpoint.metric: {metric} is not a metric of this run (choose from train_loss, "
-                            f"eval_loss, {', '.join(f'eval_{m}' for m in names)})")
+        metric, reported = self.checkpoint.metric, self.reported_metrics
+        if reported is not None and metric not in ("auto", *reported):
+            problems.append(f"checkpoint.metric: {metric} is not a metric of this run (choose from "
+                            f"{', '.join(reported)})")
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    @property
+    def reported_metrics(self) -> Optional[tuple[str, ...]]:
+        """What every epoch reports to rank checkpoints or trials by; None for a custom step."""
+        names = self.task.metric_names
+        return None if names is None else ("train_loss", "eval_loss", *(f"eval_{m}" for m in names))
 
     def _ray_data_problems(self) -> list[str]:
         if self.data.engine != "ray_data":

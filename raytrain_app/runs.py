@@ -61,7 +61,7 @@ def _read_run(base: str, name: str) -> Optional[RunInfo]:
     if config is None:
         return None
     record = _read_json(storage.join(path, "run.json"))
-    rows = _read_rows(storage.join(path, "metrics.jsonl"))
+    rows = read_rows(storage.join(path, "metrics.jsonl"))
     script = bool(config.get("script"))
     epochs = None if script else config.get("train", {}).get("epochs")
     epochs_done = max((row["epoch"] for row in rows if "epoch" in row), default=len(rows) if script else 0)
@@ -103,7 +103,7 @@ def _status(record: dict, epochs_done: int, epochs: Optional[int], snapshot: boo
         return "finished"  # an older run, from before run.json: it got as far as it meant to
     if snapshot and (epochs is None or epochs_done < epochs):
         return "resumable"
-    return recorded if recorded in ("failed", "interrupted") else "failed"  # "running" here: it died
+    return recorded if recorded in ("failed", "interrupted", "stopped early") else "failed"  # "running": it died
 
 
 def _alive(pid: Optional[int], written: float) -> bool:
@@ -119,13 +119,16 @@ def _alive(pid: Optional[int], written: float) -> bool:
 
 def _best(rows: list[dict], checkpoint: dict) -> str:
     """The best epoch by the metric that ranks checkpoints (as config.yaml resolved it)."""
-    metric, mode = checkpoint.get("metric"), checkpoint.get("mode")
+    metric = checkpoint.get("metric")
+    best = best_row(rows, metric, checkpoint.get("mode"))
+    return f"{metric} {best[metric]:.4f} (epoch {best['epoch']})" if best else "-"
+
+
+def best_row(rows: list[dict], metric: str, mode: str) -> Optional[dict]:
+    """The epoch row with the best finite `metric`, or None."""
     scored = [row for row in rows if "epoch" in row and isinstance(row.get(metric), (int, float))
               and math.isfinite(row[metric])]
-    if not scored:
-        return "-"
-    best = (max if mode == "max" else min)(scored, key=lambda row: row[metric])
-    return f"{metric} {best[metric]:.4f} (epoch {best['epoch']})"
+    return (max if mode == "max" else min)(scored, key=lambda row: row[metric]) if scored else None
 
 
 def _read_config(path: str) -> Optional[dict]:
@@ -142,7 +145,7 @@ def _read_json(path: str) -> dict:
     return json.loads(storage.read_text(path)) if storage.exists(path) else {}
 
 
-def _read_rows(path: str) -> list[dict]:
+def read_rows(path: str) -> list[dict]:
     if not storage.exists(path):
         return []
     return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]

@@ -64,11 +64,12 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
 @contextmanager
 def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optional[str], verbose: bool,
                 echo: Callable[[str], None], spare_cpus: float = 0, min_nodes: int = 1,
-                node_timeout_s: float = 0) -> Iterator[None]:
+                node_timeout_s: float = 0, dashboard: bool = False) -> Iterator[None]:
     """The cluster for `scaling`'s workers (see `choose_cluster`), said when it is not the obvious
     one, connected for the block: what `train`, `evaluate` and `predict` share. A joined cluster
     whose nodes are still starting (a SLURM allocation's) is given `node_timeout_s` to reach
-    `min_nodes`."""
+    `min_nodes`. An embedded cluster gets a `dashboard` for Ray Train's placement-group cleaner
+    (what frees a trial's workers when Tune stops it)."""
     choice = choose_cluster(address, scaling.workers, scaling.cpus_per_worker, scaling.gpus_per_worker)
     if min_nodes > 1 and not choice.address:
         raise UserError(f"--min-nodes {min_nodes} is for joining a running cluster: name it with --address")
@@ -78,13 +79,20 @@ def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optiona
     if choice.current:  # the caller's connection, left as it was
         yield
     elif choice.address is None:
-        with embedded_cluster(max(os.cpu_count() or 1, needed), log_dir=log_dir, verbose=verbose):
+        with embedded_cluster(max(os.cpu_count() or 1, needed), log_dir=log_dir, verbose=verbose,
+                              dashboard=dashboard):
             yield
     else:
         with connected(choice.address, log_dir, verbose, choice.auth_env):
             if min_nodes > 1:
                 wait_for_nodes(min_nodes, node_timeout_s, echo)
             yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for_nodes(count: int, timeout_s: float, echo: Callable[[str], None]) -> None:
@@ -119,10 +127,12 @@ def _has_room(dashboard: Dashboard, workers: int, cpus_per_worker: float, gpus_p
 
 @contextmanager
 def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Optional[str] = None,
-                     verbose: bool = False) -> Iterator[None]:
+                     verbose: bool = False, dashboard: bool = False) -> Iterator[None]:
     """Start a fresh single-node cluster; never attach to one named in Ray's temp files.
 
-    Ray's own logs are copied into `log_dir/ray` when the cluster stops.
+    Ray's own logs are copied into `log_dir/ray` when the cluster stops. With a `dashboard` (on a
+    free loopback port), Ray's state API answers, and is named to every actor: with no address
+    it fails as soon as a second Ray runs on the machine.
     """
     import ray
 
@@ -131,11 +141,14 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
     route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
+    port = free_port() if dashboard else None
     ray.init(
         address="local",
         num_cpus=num_cpus,
         num_gpus=num_gpus,
-        include_dashboard=False,
+        include_dashboard=dashboard,
+        **({"dashboard_host": "127.0.0.1", "dashboard_port": port,
+            "runtime_env": {"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}}} if dashboard else {}),
         log_to_driver=verbose,
         logging_level=logging.INFO,  # into the handler route_ray_logs installed: a file unless verbose
     )

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from contextlib import suppress
-from typing import Optional
+from typing import Optional, Sequence
 
 import ray
 import ray.train
@@ -34,12 +34,13 @@ from raytrain_app.report import Result
 from raytrain_app.script import RestartCount, run_script_per_worker
 
 
-def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None) -> Result:
+def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None,
+                 callbacks: Sequence[UserCallback] = ()) -> Result:
     """Run the plan on the Ray cluster this process is connected to.
 
     `marks` are the caller's wall-clock start-up marks ("start", "planned", "cluster"); with the
     workers' own they become the start-up breakdown printed at the first step and kept in
-    `startup.json`.
+    `startup.json`. `callbacks` see every report too (a sweep's trial hands them to Tune).
     """
     config = plan.config
     check_workers_fit(connected_nodes(), config)
@@ -50,13 +51,13 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     record_status(plan.run_dir, "running")
 
     _ray_train_settings(config)
-    events = Queue()
+    events = Queue(actor_options={"num_cpus": 0})  # it fits anywhere, a Tune trial's placement group too
     restarts = RestartCount.remote() if config.script else None
     marks = {**(marks or {}), "fit": time.time()}
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=events, progress=progress,
                       log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd(),
                       restarts=restarts, marks=marks)
-    callbacks = [RestartNotices(events, plan.run_dir, config.failure.max_failures, restarts)]
+    callbacks = [RestartNotices(events, plan.run_dir, config.failure.max_failures, restarts), *callbacks]
     if config.script:
         callbacks.append(ScriptReports(events, plan.run_dir, reported=len(history.rows())))  # --resume continues
     trainer = TorchTrainer(

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import boto3
 
+from raytrain_app.session import free_port
+
 SETUP_ACTIONS = 3  # create_user, create_access_key, put_user_policy
 
 
@@ -43,12 +45,6 @@ class ObjectStore:
     def keys(self, prefix: str) -> list[str]:
         listed = self.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
         return [o["Key"] for o in listed.get("Contents", [])]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_moto(log_path: str) -> tuple[subprocess.Popen, ObjectStore]:
