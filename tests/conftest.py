@@ -1,10 +1,13 @@
 """One real Ray cluster for the whole session, on loopback, reused by every distributed test; and
 one torchrun run of the tutorial-style script, the reference its other launchers must match."""
 
+import atexit
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -30,6 +33,14 @@ def ray_cluster(s3):
              logging_level=logging.WARNING)
     yield ray
     ray.shutdown()
+
+
+def short_temp_dir() -> str:
+    """A temp dir for Ray, whose Unix socket paths under it must fit in 107 bytes (pytest's tmp
+    paths are too long); removed when the session ends."""
+    path = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def running(pid: int) -> bool:

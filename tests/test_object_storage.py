@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 import boto3
@@ -16,7 +15,7 @@ import pytest
 from raytrain_app.config import load_config
 from raytrain_app.plan import make_plan
 from raytrain_app.trainer import run_training
-from tests.conftest import REPO
+from tests.conftest import REPO, short_temp_dir
 
 PREFIX = "runs"
 STEPS_PER_EPOCH = 23  # 1438 digits / 2 ranks / 32
@@ -119,7 +118,7 @@ def test_storage_that_refuses_us_is_one_line_before_ray_starts(s3, case, message
     env = {"missing bucket": s3.env, "wrong secret": {**s3.env, "AWS_SECRET_ACCESS_KEY": "wrong"},
            "unknown key": {**s3.env, "AWS_ACCESS_KEY_ID": "AKIANOBODY"}}.get(case) or read_only_user(s3)
     bucket = "no-such-bucket" if case == "missing bucket" else s3.bucket
-    ray_tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+    ray_tmp = short_temp_dir()
     start = time.monotonic()
     proc = cli("train", "examples/digits.yaml", "--run-dir", f"s3://{bucket}/runs/x",
                env={**env, "RAY_TMPDIR": ray_tmp}, timeout=60)

@@ -5,12 +5,11 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from raytrain_app import checkpoint
-from tests.conftest import REPO, running
+from tests.conftest import REPO, running, short_temp_dir
 
 
 def descendants(root: int) -> set[int]:
@@ -30,7 +29,7 @@ def descendants(root: int) -> set[int]:
 
 def test_ctrl_c_stops_the_workers_and_the_cluster_and_leaves_nothing_half_written(tmp_path):
     # Ray's temp dir names a cluster that is gone; a plain ray.init() would try to attach to it and hang.
-    temp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+    temp = short_temp_dir()
     Path(temp, "ray").mkdir()
     Path(temp, "ray", "ray_current_cluster").write_text("127.0.0.1:1\n")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,16 +27,11 @@ from raytrain_app.dashboard import Dashboard
 from raytrain_app.profiles import load_profile
 from raytrain_app.data.parquet import DIGITS_FILE
 from tests.commands import command
-from tests.conftest import REPO, TUTORIAL_SCRIPT, epoch_lines, running
+from tests.conftest import REPO, TUTORIAL_SCRIPT, epoch_lines, running, short_temp_dir
 
 
 def cli(*args, timeout=240, env=None):
     return command(args, REPO, env, timeout)
-
-
-def short_temp_dir() -> str:
-    """Ray's unix socket paths under its temp dir must fit in 107 bytes: pytest's tmp paths are too long."""
-    return tempfile.mkdtemp(prefix="rt-", dir="/tmp")
 
 
 def write_profile(path, **fields):

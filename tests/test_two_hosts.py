@@ -11,14 +11,13 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import yaml
 
 from raytrain_app.localnodes import ray_executable, stop_nodes
 from raytrain_app.profiles import load_profile
-from tests.conftest import REPO, running
+from tests.conftest import REPO, running, short_temp_dir
 
 # 198.18.0.0/15 is reserved for network testing: these addresses exist only inside our namespaces.
 HEAD_IP, WORKER_IP, IFNAME = "198.18.0.1", "198.18.0.2", "rt0"
@@ -52,7 +51,7 @@ def two_hosts(tmp_path_factory):
     tag = os.getpid() % 100000
     head_ns, worker_ns = f"rt-head-{tag}", f"rt-worker-{tag}"
     tmp = tmp_path_factory.mktemp("hosts")
-    ray_tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    ray_tmp = short_temp_dir()
     token = secrets.token_hex(32)
     (tmp / "token").write_text(token)
     profile_path = tmp / "profile.yaml"
