@@ -82,6 +82,11 @@ TASKS = {
 HIGHER_IS_BETTER = {"accuracy", "top5", "f1_macro", "r2", "token_accuracy"}  # every other metric, and every loss, is lower-better
 
 
+def metric_mode(metric: str) -> str:
+    """Whether a larger value of a reported metric (eval_accuracy, train_loss, ...) is better."""
+    return "max" if metric.removeprefix("eval_") in HIGHER_IS_BETTER else "min"
+
+
 class TaskConfig(BuilderSection):
     name: Builder = Field("classification", description='classification | regression | multilabel | '
                                                         'language_model | "pkg.module:step", a custom step called as step(model, '

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from raytrain_app import registry, storage, tracking
-from raytrain_app.config import HIGHER_IS_BETTER, JobConfig, updated
+from raytrain_app.config import JobConfig, metric_mode, updated
 from raytrain_app.errors import ConfigError, UserError
 
 # Ray Train V2 writes this into the run directory after every checkpoint; its presence means
@@ -99,7 +99,7 @@ def resolve_auto(config: JobConfig) -> JobConfig:
         ckpt["metric"] = f"eval_{names[0]}" if names else "eval_loss"
     if config.checkpoint.mode == "auto":
         metric = ckpt.get("metric", config.checkpoint.metric)
-        ckpt["mode"] = "max" if metric.removeprefix("eval_") in HIGHER_IS_BETTER else "min"
+        ckpt["mode"] = metric_mode(metric)
     strategy = {}
     if config.strategy.mixed_precision == "auto":
         strategy["mixed_precision"] = "bf16" if train.get("precision", config.train.precision) == "bf16" else "off"

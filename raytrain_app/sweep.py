@@ -27,7 +27,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from raytrain_app import runs, storage
-from raytrain_app.config import JobConfig, updated
+from raytrain_app.config import JobConfig, metric_mode, updated
 from raytrain_app.configfile import loads
 from raytrain_app.errors import TrainingFailed, UserError, last_line
 from raytrain_app.plan import check_data_and_model, make_plan, resolve_auto
@@ -158,12 +158,6 @@ def plan_sweep(config: JobConfig, param_exprs: Sequence[str], samples: int, sche
     return sweep
 
 
-def metric_mode(metric: str) -> str:
-    from raytrain_app.config import HIGHER_IS_BETTER
-
-    return "max" if metric.removeprefix("eval_") in HIGHER_IS_BETTER else "min"
-
-
 @dataclass
 class Trial:
     name: str  # its run directory's name under the sweep's
@@ -190,7 +184,8 @@ def launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], v
         sweep.save(sweep_dir)
     # Trials that fit this machine, their drivers' CPU fractions on top: an embedded cluster's size.
     here = sweep.max_concurrent or trials_that_fit(config, (os.cpu_count() or 1) + 1, _local_gpus())
-    room = here * (s.workers * s.cpus_per_worker + spare_cpus(config) + TRIAL_DRIVER_CPUS) - s.workers * s.cpus_per_worker
+    trial_cpus = s.workers * s.cpus_per_worker + spare_cpus(config) + TRIAL_DRIVER_CPUS
+    room = here * trial_cpus - s.workers * s.cpus_per_worker  # beyond one trial's workers, which cluster_for counts
     log_dir = os.path.join(sweep_dir, "logs") if storage.is_local(sweep_dir) else None
     with cluster_for(s, address, log_dir, verbose, echo, spare_cpus=room, dashboard=True):
         nodes = connected_nodes()
@@ -215,7 +210,7 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
     parent, name = os.path.dirname(sweep_dir.rstrip("/")), os.path.basename(sweep_dir.rstrip("/"))
     run_config = tune.RunConfig(storage_path=parent, name=name, verbose=1 if verbose else 0,
                                 callbacks=[_Progress(sweep, echo)])
-    if resume:
+    if resume and tune.Tuner.can_restore(sweep_dir):  # else it was stopped before Tune began: begin
         tuner = tune.Tuner.restore(sweep_dir, trainable=trainable, resume_errored=True)
     else:
         concurrent = sweep.max_concurrent or trials_that_fit(sweep.config, cpus, gpus)

@@ -77,7 +77,8 @@ def test_ctrl_c_stops_every_trial_resume_finishes_asha_stops_the_weak_and_best_y
         assert epochs == list(range(1, len(epochs) + 1))  # a resumed trial went on, and repeated no epoch
         assert status == ("finished" if len(epochs) == 3 else "stopped early")
         assert json.load(open(sweep_dir / name / "run.json"))["status"] == status
-    assert len(open(sweep_dir / stopped / "metrics.jsonl").readlines()) == cut_at
+    # Tune stops a trial asynchronously: its workers may finish one more epoch before they are killed.
+    assert cut_at <= len(open(sweep_dir / stopped / "metrics.jsonl").readlines()) < 3
     # The table is best first; best.yaml is that trial's config, and training it again gives its score.
     best_name, best_row = next(iter(rows.items()))
     best_value = float(best_row[1])
