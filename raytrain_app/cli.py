@@ -619,9 +619,7 @@ def slurm_render(**job):
     from raytrain_app import slurm
 
     with _command():
-        profile = _profile(job.pop("profile_file"))
-        if profile.kind != "slurm":
-            raise UserError(f"{profile.source} is a profile of kind: {profile.kind}; slurm render needs kind: slurm")
+        profile = _profile(job.pop("profile_file"), "slurm render", "slurm")
         click.echo(slurm.render(_plan(profile, **job)), nl=False)
 
 
@@ -645,9 +643,7 @@ def k8s_render(**job):
     from raytrain_app import kuberay
 
     with _command():
-        profile = _profile(job.pop("profile_file"))
-        if profile.kind != "kuberay":
-            raise UserError(f"{profile.source} is a profile of kind: {profile.kind}; k8s render needs kind: kuberay")
+        profile = _profile(job.pop("profile_file"), "k8s render", "kuberay")
         sub = _plan(profile, **job)
         manifest = kuberay.render(sub)
         for warning in kuberay.warnings(sub):
@@ -655,10 +651,14 @@ def k8s_render(**job):
         click.echo(kuberay.to_yaml(manifest), nl=False)
 
 
-def _profile(path: str):
+def _profile(path: str, command: str = "", kind: str = ""):
+    """The profile at `path`; a `command` that needs one `kind` refuses the others in one line."""
     from raytrain_app.profiles import load_profile
 
-    return load_profile(path)
+    profile = load_profile(path)
+    if kind and profile.kind != kind:
+        raise UserError(f"{profile.source} is a profile of kind: {profile.kind}; {command} needs kind: {kind}")
+    return profile
 
 
 class _command:

@@ -34,8 +34,7 @@ def render(sub: Submission) -> str:
     """The sbatch script for `sub`: one task per node holds that node's Ray; the batch step, on the
     first node, runs the training entrypoint once every node has joined."""
     p, s = sub.profile.slurm, sub.config.scaling
-    gpus = int(s.gpus_per_worker) * sub.workers_per_node
-    cpus = sub.profile.cpus_per_node if gpus else int(s.cpus_per_worker) * sub.workers_per_node
+    cpus, gpus = per_node(sub)
     memory_gb = s.memory_per_worker_gb * sub.workers_per_node if s.memory_per_worker_gb else None
     options = [f"--job-name={sub.submission_id}", f"--nodes={sub.nodes}", "--ntasks-per-node=1",
                f"--cpus-per-task={cpus}",
@@ -118,6 +117,14 @@ echo "raytrain: Ray head at $RAY_ADDRESS, dashboard http://${{RAY_ADDRESS%:*}}:$
 """
 
 
+def per_node(sub: Submission) -> tuple[int, int]:
+    """The CPUs and GPUs the job asks SLURM for on each node: a GPU node's CPUs whole, or its CPU
+    workers' share."""
+    s = sub.config.scaling
+    gpus = int(s.gpus_per_worker) * sub.workers_per_node
+    return (sub.profile.cpus_per_node if gpus else int(s.cpus_per_worker) * sub.workers_per_node), gpus
+
+
 def log_dir(profile: ClusterProfile) -> str:
     """Where SLURM writes jobs' output: a shared directory the submitting machine reads too."""
     return os.path.expanduser(profile.slurm.log_dir or os.path.join(profile.storage, "slurm-logs"))
@@ -162,10 +169,8 @@ def partition_nodes(profile: ClusterProfile) -> tuple[str, list[SlurmNode]]:
 
 def check_fits(sub: Submission) -> None:
     """The partition has the nodes the job asks for, before sbatch queues a job that never starts."""
-    s = sub.config.scaling
     partition, nodes = partition_nodes(sub.profile)
-    gpus = int(s.gpus_per_worker) * sub.workers_per_node
-    cpus = sub.profile.cpus_per_node if gpus else int(s.cpus_per_worker) * sub.workers_per_node
+    cpus, gpus = per_node(sub)
     if gpus and max(n.gpus for n in nodes) < gpus:
         raise UserError(f"SLURM partition '{partition}' has at most {max(n.gpus for n in nodes)} GPUs per node, "
                         f"and the job asks for {gpus} (--gpus-per-node)")

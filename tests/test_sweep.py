@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 
 import psutil
 import pytest
@@ -28,11 +29,9 @@ SWEEP = ["sweep", "examples/digits.yaml", "--param", f"optimizer.lr=grid:{LRS}",
 def session_processes(leader: int) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
-        try:
+        with suppress(psutil.Error, OSError):  # a process that ended while listed
             if os.getsid(proc.pid) == leader:
                 found.append(proc)
-        except (psutil.Error, OSError):
-            pass
     return found
 
 
