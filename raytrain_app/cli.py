@@ -131,11 +131,15 @@ def _plan(profile, config_file, script_args, nodes, gpus_per_node, cpus_per_node
     return sub
 
 
+FOLLOW = click.option("--follow/--no-wait", default=True, help="Stream the logs and exit with the job's result "
+                                                                  "(default), or print the id and return.")
+DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the plan and submit nothing.")
+
+
 @main.command()
 @_job_on_cluster
-@click.option("--follow/--no-wait", default=True, help="Stream the logs and exit with the job's result "
-                                                         "(default), or print the id and return.")
-@click.option("--dry-run", is_flag=True, help="Print the plan and submit nothing.")
+@FOLLOW
+@DRY_RUN
 def submit(follow, dry_run, **job):
     """Submit CONFIG as a job to the cluster described by PROFILE: a Ray job, or under a SLURM
     profile an sbatch job that starts Ray in its allocation.
@@ -149,34 +153,40 @@ def submit(follow, dry_run, **job):
       raytrain-app submit job.yaml --cluster cluster/slurm.yaml --nodes 2 --dry-run
       raytrain-app submit train.py --cluster cluster/aws-gpu.yaml --no-wait -- --lr 0.1
     """
-    from raytrain_app.console import summary_table
-    from raytrain_app.dashboard import Dashboard
-    from raytrain_app import jobs, slurm
+    from raytrain_app import slurm
 
     with _command():
         profile = _profile(job.pop("profile_file"))
         if profile.kind == "slurm" and not dry_run:
             slurm.check_commands()
-        sub = _plan(profile, **job)
-        if dry_run:
-            click.echo(summary_table(sub.describe()))
-            return
-        if profile.kind == "slurm":
-            job_id = slurm.submit(sub)
-            click.echo(f"submitted SLURM job {job_id} ({sub.config.scaling.workers} workers on {sub.nodes} nodes); "
-                       f"run directory {sub.run_dir}")
-            click.echo(f"output: {slurm.log_file(profile, job_id)}")
-            if follow:
-                _exit_with(job_id, slurm.follow(profile, job_id, _chunk), "COMPLETED")
-            return
-        dashboard = Dashboard.for_profile(profile)
-        jobs.check_cluster_can_run(sub, dashboard)
-        job_id = jobs.submit(sub, dashboard)
-        click.echo(f"submitted {job_id} to {profile.jobs_address} ({sub.config.scaling.workers} workers); "
-                   f"run directory {sub.run_dir}")
-        click.echo(f"dashboard: {profile.jobs_address}/#/jobs/{job_id}")
+        _send(_plan(profile, **job), follow, dry_run)
+
+
+def _send(sub, follow: bool, dry_run: bool) -> None:
+    """`submit`'s and `sweep --cluster`'s end: the plan shown, or the job sent to SLURM or to the
+    Jobs API, and followed to its end."""
+    from raytrain_app.console import summary_table
+    from raytrain_app.dashboard import Dashboard
+    from raytrain_app import jobs, slurm
+
+    if dry_run:
+        click.echo(summary_table(sub.describe()))
+        return
+    what = "a sweep" if sub.sweep else f"{sub.config.scaling.workers} workers"
+    if sub.profile.kind == "slurm":
+        job_id = slurm.submit(sub)
+        click.echo(f"submitted SLURM job {job_id} ({what} on {sub.nodes} nodes); run directory {sub.run_dir}")
+        click.echo(f"output: {slurm.log_file(sub.profile, job_id)}")
         if follow:
-            _exit_with(job_id, jobs.follow(dashboard, job_id, _chunk), "SUCCEEDED")
+            _exit_with(job_id, slurm.follow(sub.profile, job_id, _chunk), "COMPLETED")
+        return
+    dashboard = Dashboard.for_profile(sub.profile)
+    jobs.check_cluster_can_run(sub, dashboard)
+    job_id = jobs.submit(sub, dashboard)
+    click.echo(f"submitted {job_id} to {sub.profile.jobs_address} ({what}); run directory {sub.run_dir}")
+    click.echo(f"dashboard: {sub.profile.jobs_address}/#/jobs/{job_id}")
+    if follow:
+        _exit_with(job_id, jobs.follow(dashboard, job_id, _chunk), "SUCCEEDED")
 
 
 def _chunk(text: str) -> None:
@@ -314,9 +324,21 @@ def list_(profile_file, statuses, as_json):
 @click.option("--workers", type=int, help="Each trial's workers (overrides scaling.workers).")
 @click.option("--address", help="Run on the cluster at this GCS address, as for train; default: the cluster "
                                 "train would use.")
+@click.option("--min-nodes", type=click.IntRange(min=1), default=1, help="Wait until the cluster at --address has "
+                                                                         "this many nodes.")
+@click.option("--node-timeout", type=click.FloatRange(min=0), default=600, show_default=True,
+              help="Seconds to wait for --min-nodes.")
+@click.option("--cluster", "profile_file", metavar="PROFILE", type=click.Path(dir_okay=False),
+              help="Submit the sweep as one job to this profile's cluster (a Ray job, or a SLURM job), its "
+                   "directory in the profile's storage; status, logs, stop and list manage it.")
+@click.option("--nodes", type=int, help="With --cluster: the nodes the sweep's trials share (default: the "
+                                        "profile's; under SLURM, the allocation).")
+@click.option("--skip-checks", is_flag=True, help="With --cluster: do not build the model and data here first.")
+@FOLLOW
+@DRY_RUN
 @click.option("--verbose", is_flag=True, help="Show Ray's and Tune's own logs.")
 def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode, sweep_dir, resume_dir, overrides,
-          workers, address, verbose):
+          workers, address, min_nodes, node_timeout, profile_file, nodes, skip_checks, follow, dry_run, verbose):
     """Sweep hyper-parameters with Ray Tune: trials of CONFIG with sampled settings, each an
     ordinary run under the sweep directory; at the end a table of the trials and best.yaml, the
     best trial's config.
@@ -326,7 +348,9 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
       raytrain-app sweep job.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --param train.batch_size=choice:32,64,128
       raytrain-app sweep job.yaml --param optimizer.lr=grid:0.1,0.01 --samples 2 --scheduler fifo --max-concurrent 2
       raytrain-app sweep --resume sweeps/digits-20261124-101500
+      raytrain-app sweep job.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --cluster cluster/slurm.yaml --nodes 4
     """
+    from raytrain_app import jobs, slurm
     from raytrain_app import sweep as sweeps
     from raytrain_app.api import job_config
 
@@ -334,14 +358,30 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
     with _command():
         if bool(config_file) == bool(resume_dir):
             raise UserError("give CONFIG to start a sweep, or --resume SWEEP_DIR to continue one (not both)")
+        if profile_file and (address or min_nodes > 1):
+            raise UserError("--cluster submits the sweep to the profile's cluster, --address (and --min-nodes) run "
+                            "it from here: give one")
+        for flag, given in (("--nodes", nodes is not None), ("--skip-checks", skip_checks), ("--no-wait", not follow),
+                            ("--dry-run", dry_run)):
+            if given and not profile_file:
+                raise UserError(f"{flag} is for a sweep submitted with --cluster PROFILE")
+        profile = _profile(profile_file) if profile_file else None
         if resume_dir:
             plan, directory = sweeps.Sweep.load(resume_dir), resume_dir
         else:
             sets = [*overrides, *([f"scaling.workers={workers}"] if workers is not None else [])]
             _, config = job_config(config_file, sets)
-            plan = sweeps.plan_sweep(config, params, samples, scheduler, metric, mode, max_concurrent)
-            directory = sweep_dir or sweeps.new_sweep_dir(config.name)
-        trials, interrupted = sweeps.launch(plan, directory, bool(resume_dir), address, verbose, click.echo)
+            with jobs.running_in(jobs.job_folder(profile) if profile else None):  # as the trials will run
+                plan = sweeps.plan_sweep(sweeps.on_cluster(config, profile) if profile else config, params, samples,
+                                         scheduler, metric, mode, max_concurrent, check=not skip_checks)
+            directory = sweep_dir or (None if profile else sweeps.new_sweep_dir(config.name))
+        if profile:
+            if profile.kind == "slurm" and not dry_run:
+                slurm.check_commands()
+            _send(sweeps.submission(plan, profile, directory, nodes, bool(resume_dir)), follow, dry_run)
+            return
+        trials, interrupted = sweeps.launch(plan, directory, bool(resume_dir), address, verbose, click.echo,
+                                            min_nodes, node_timeout)
         click.echo(sweeps.table(plan, trials))
         best = sweeps.write_best(plan, directory, trials)
         if best:

@@ -46,16 +46,21 @@ class Submission:
     runtime_env: dict
     entrypoint: str
     warnings: list[str] = field(default_factory=list)  # said once, before anything is sent
+    files: dict[str, str] = field(default_factory=dict)  # written into run_dir just before it is sent
+    sweep: str = ""  # what a sweep job sweeps (its trials are `config` with sampled settings)
 
     def describe(self) -> list[tuple[str, str]]:
         s = self.config.scaling
         per_worker = f"{s.cpus_per_worker:g} CPU" + (f", {s.gpus_per_worker:g} GPU" if s.gpus_per_worker else "")
         shown_env = {**self.runtime_env, "env_vars": mask(self.runtime_env.get("env_vars", {}))}
-        shown_env["env_vars"][CONFIG_ENV] = f"<resolved job config, {len(self.runtime_env['env_vars'][CONFIG_ENV])} bytes>"
+        if CONFIG_ENV in shown_env["env_vars"]:
+            shown_env["env_vars"][CONFIG_ENV] = f"<resolved job config, {len(shown_env['env_vars'][CONFIG_ENV])} bytes>"
+        workers = f"{self.nodes} nodes x {self.workers_per_node} per node"
         return [
             ("cluster", f"{self.profile.name} ({self.profile.where})"),
             ("submission id", self.submission_id),
-            ("workers", f"{s.workers} = {self.nodes} nodes x {self.workers_per_node} per node"),
+            *([("sweep", self.sweep), ("workers", f"{s.workers} per trial; {workers}")] if self.sweep else
+              [("workers", f"{s.workers} = {workers}")]),
             ("per worker", per_worker),
             ("placement", s.placement),
             ("script", " ".join([self.config.script.path, *self.config.script.args])) if self.config.script else
@@ -105,9 +110,7 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     # (nccl needs GPUs, ...) are checked again here, not in a job that would fail on the cluster.
     config = resolve_auto(updated(config, {"name": name or config.name, "scaling": scaling},
                                   f"{name or config.name} on {shape}"))
-    working_dir = profile.path(profile.runtime_env.working_dir) if profile.runtime_env.working_dir else None
-    if working_dir and not os.path.isdir(working_dir):
-        raise UserError(f"{profile.source}: runtime_env.working_dir {working_dir} is not a directory")
+    working_dir = job_folder(profile)
     if config.script:
         check_script(config.script.path)
         working_dir, path = script_in_working_dir(config.script.path, working_dir, profile.source)
@@ -115,26 +118,51 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     elif check_builders:
         with running_in(working_dir):  # where the job runs: imports and relative paths as there
             check_data_and_model(config)
-    if working_dir and profile.kind != "slurm":  # SLURM jobs run in it on a shared filesystem: no upload
-        check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
-                          profile.source)
-    submission_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    submission_id = new_job_id(config.name)
     run_dir = storage.join(storage.normalize(profile.storage), submission_id)
     if check_builders and not config.script:  # an MLflow server may answer only inside the cluster's network
         tracking.check(config.tracking, run_dir, profile.connect_timeout_s, {**os.environ, **profile.job_env_vars()},
                        packages=False)
-    runtime_env = {
-        **({"working_dir": working_dir, "excludes": profile.runtime_env.excludes} if working_dir else {}),
-        **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
-        "env_vars": {**profile.job_env_vars(), CONFIG_ENV: dump_yaml(config)},
-    }
+    runtime_env = job_runtime_env(profile, working_dir, {CONFIG_ENV: dump_yaml(config)})
     # A job its scheduler runs again (a retried RayJob, a requeued SLURM job) continues its run.
-    entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - --address auto "
+    entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - {on_the_cluster(profile, nodes)} "
                   f"--run-dir {shlex.quote(run_dir)} --resume-if-any")
-    if profile.kind == "slurm":  # the allocation's other nodes join Ray while the entrypoint starts
-        entrypoint += f" --min-nodes {nodes} --node-timeout {profile.slurm.node_wait_s:g}"
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source))
+
+
+def job_folder(profile: ClusterProfile) -> Optional[str]:
+    """The profile's working_dir: what a Ray job uploads, and where a SLURM job runs."""
+    working_dir = profile.path(profile.runtime_env.working_dir) if profile.runtime_env.working_dir else None
+    if working_dir and not os.path.isdir(working_dir):
+        raise UserError(f"{profile.source}: runtime_env.working_dir {working_dir} is not a directory")
+    return working_dir
+
+
+def job_runtime_env(profile: ClusterProfile, working_dir: Optional[str], env_vars: dict[str, str]) -> dict:
+    """The job's runtime_env: its folder (checked for size: Ray uploads it), the profile's pip
+    packages and variables, and `env_vars`."""
+    if working_dir and profile.kind != "slurm":  # SLURM jobs run in it on a shared filesystem: no upload
+        check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
+                          profile.source)
+    return {
+        **({"working_dir": working_dir, "excludes": profile.runtime_env.excludes} if working_dir else {}),
+        **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
+        "env_vars": {**profile.job_env_vars(), **env_vars},
+    }
+
+
+def new_job_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
+def on_the_cluster(profile: ClusterProfile, nodes: int) -> str:
+    """An entrypoint's flags for the cluster it runs in: the job's own Ray, whose other nodes, in a
+    SLURM allocation, are still joining while it starts."""
+    flags = "--address auto"
+    if profile.kind == "slurm":
+        flags += f" --min-nodes {nodes} --node-timeout {profile.slurm.node_wait_s:g}"
+    return flags
 
 
 def script_in_working_dir(script: str, working_dir: Optional[str], profile_source: str) -> tuple[str, str]:
@@ -179,16 +207,23 @@ def check_cluster_can_run(sub: Submission, dashboard: Dashboard) -> None:
     storage.check_writable(sub.run_dir)
 
 
+def write_files(sub: Submission) -> None:
+    for name, text in sub.files.items():
+        storage.write_text(storage.join(sub.run_dir, name), text)
+
+
 def metadata(sub: Submission) -> dict[str, str]:
     """What `list` shows of a job, attached to it at submission (Ray keeps it with the job)."""
     s = sub.config.scaling
     shape = f"{sub.nodes}x{sub.workers_per_node} {'GPU' if s.gpus_per_worker else 'CPU'}"
-    return {"raytrain.name": sub.config.name, "raytrain.run_dir": sub.run_dir, "raytrain.workers": shape,
+    name = f"{sub.config.name} (sweep)" if sub.sweep else sub.config.name
+    return {"raytrain.name": name, "raytrain.run_dir": sub.run_dir, "raytrain.workers": shape,
             "raytrain.config_sha256": hashlib.sha256(dump_yaml(sub.config).encode()).hexdigest()[:12],
             "raytrain.user": getpass.getuser()}
 
 
 def submit(sub: Submission, dashboard: Dashboard) -> str:
+    write_files(sub)
     try:
         return dashboard.jobs().submit_job(entrypoint=sub.entrypoint, submission_id=sub.submission_id,
                                            runtime_env=sub.runtime_env, metadata=metadata(sub))

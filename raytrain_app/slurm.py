@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 from raytrain_app import storage
 from raytrain_app.errors import UserError, last_line
-from raytrain_app.jobs import CONFIG_ENV, Submission
+from raytrain_app.jobs import CONFIG_ENV, Submission, write_files
 from raytrain_app.profiles import PORT_BLOCK, ClusterProfile
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
@@ -50,10 +50,10 @@ def render(sub: Submission) -> str:
     env = {**sub.runtime_env["env_vars"],
            **({"NCCL_SOCKET_IFNAME": p.socket_ifname, "GLOO_SOCKET_IFNAME": p.socket_ifname}
               if p.socket_ifname else {})}
-    config = env.pop(CONFIG_ENV)  # as written, in a quoted here-document
+    config = env.pop(CONFIG_ENV, None)  # as written, in a quoted here-document
     exports = "\n".join([*(f"export {name}={shlex.quote(str(value))}" for name, value in env.items()),
-                         f"{CONFIG_ENV}=$(cat <<'{CONFIG_ENV}'\n{config.rstrip()}\n{CONFIG_ENV}\n)",
-                         f"export {CONFIG_ENV}"])
+                         *([f"{CONFIG_ENV}=$(cat <<'{CONFIG_ENV}'\n{config.rstrip()}\n{CONFIG_ENV}\n)",
+                            f"export {CONFIG_ENV}"] if config else [])])
     workers = (f"""srun --nodes={sub.nodes - 1} --ntasks={sub.nodes - 1} --exclude="$head" \\
   bash -c 'ray_node --address=$RAY_ADDRESS' >> "$ray_log" 2>&1 &
 steps+=($!)
@@ -63,8 +63,9 @@ steps+=($!)
     node_ip = (f'--node-ip-address="$(ip -o -4 addr show dev {p.socket_ifname} | '
                "awk '{sub(\"/.*\", \"\", $4); print $4; exit}')\"" if p.socket_ifname else "")
     slots = (p.port_max - p.port_min + 1) // PORT_BLOCK
+    what = f"a sweep, {sub.sweep}," if sub.sweep else f"{s.workers} workers"
     return f"""#!/bin/bash
-# {sub.config.name}: {sub.config.scaling.workers} workers on {sub.nodes} nodes, written by raytrain-app.
+# {sub.config.name}: {what} on {sub.nodes} nodes, written by raytrain-app.
 # Submit with: mkdir -p {log_dir(sub.profile)} && sbatch {SCRIPT_NAME}
 # The run directory: {sub.run_dir}
 {chr(10).join(f"#SBATCH {shlex.quote(option)}" for option in options)}
@@ -188,6 +189,7 @@ def submit(sub: Submission) -> str:
     check_fits(sub)
     storage.check_writable(sub.run_dir)
     script = render(sub)
+    write_files(sub)
     storage.write_text(storage.join(sub.run_dir, SCRIPT_NAME), script)
     os.makedirs(log_dir(sub.profile), exist_ok=True)
     return _output(["sbatch", "--parsable"], stdin=script).strip().split(";")[0]

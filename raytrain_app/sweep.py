@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -26,14 +27,18 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from raytrain_app import runs, storage
+from raytrain_app import jobs, runs, storage
 from raytrain_app.config import JobConfig, metric_mode, updated
 from raytrain_app.configfile import loads
 from raytrain_app.errors import TrainingFailed, UserError, last_line
+from raytrain_app.jobs import Submission
 from raytrain_app.plan import check_data_and_model, make_plan, resolve_auto
+from raytrain_app.profiles import ClusterProfile
 
 SPEC_FILE, BEST_FILE = "sweep.json", "best.yaml"
-TRIAL_DRIVER_CPUS = 0.01  # a trial's function only waits on its TorchTrainer; Tune refuses 0
+# A trial's function only waits on its TorchTrainer, so it takes no CPU (else a one-CPU node
+# could not hold a trial and its worker); Tune's placement group needs something in its bundle.
+TRIAL_DRIVER = {"cpu": 0, "memory": 1}
 BOUNDED = {"loguniform", "uniform", "randint"}
 LISTED = {"choice", "grid"}
 
@@ -115,9 +120,15 @@ class Sweep:
             node[leaf] = value
         return resolve_auto(updated(self.config, changes, source))
 
+    def spec(self) -> str:
+        return json.dumps({**asdict(self), "params": [str(p) for p in self.params]}, indent=1) + "\n"
+
     def save(self, sweep_dir: str) -> None:
-        spec = {**asdict(self), "params": [str(p) for p in self.params]}
-        storage.write_text(storage.join(sweep_dir, SPEC_FILE), json.dumps(spec, indent=1) + "\n")
+        storage.write_text(storage.join(sweep_dir, SPEC_FILE), self.spec())
+
+    def describe(self) -> str:
+        return (f"{self.samples} samples of {', '.join(map(str, self.params))}; {self.scheduler} on {self.metric} "
+                f"({self.mode})")
 
     @classmethod
     def load(cls, sweep_dir: str) -> "Sweep":
@@ -129,9 +140,10 @@ class Sweep:
 
 
 def plan_sweep(config: JobConfig, param_exprs: Sequence[str], samples: int, scheduler: str,
-               metric: Optional[str], mode: Optional[str], max_concurrent: Optional[int]) -> Sweep:
+               metric: Optional[str], mode: Optional[str], max_concurrent: Optional[int], check: bool = True) -> Sweep:
     """Check everything a trial would trip over before any starts: each parameter's distribution
-    and key (its first value applied to the job), the metric, and the job itself."""
+    and key (its first value applied to the job), the metric, and (with `check`) the job's model
+    and data, built here."""
     if samples < 1:
         raise UserError(f"--samples must be >= 1, got {samples}")
     if not param_exprs:
@@ -153,9 +165,45 @@ def plan_sweep(config: JobConfig, param_exprs: Sequence[str], samples: int, sche
     sweep = Sweep(config.to_dict(), params, samples, scheduler, metric, mode, max_concurrent, config.seed)
     for param in params:  # a key the job does not have, or a value of the wrong type: one line now
         sweep.trial_config({param.key: param.values[0]}, f"--param {param}")
-    # What `train` checks on the driver (builders, their args, labels, shards), for one trial.
-    check_data_and_model(sweep.trial_config({p.key: p.values[0] for p in params}, "the first trial's config"))
+    if check:  # what `train` checks on the driver (builders, their args, labels, shards), for one trial
+        first = sweep.trial_config({p.key: p.values[0] for p in params}, "the first trial's config")
+        check_data_and_model(first)
     return sweep
+
+
+def on_cluster(config: JobConfig, profile: ClusterProfile) -> JobConfig:
+    """Trials for a profile's cluster, whose workers take a GPU each (or `scaling.gpus_per_worker`)
+    where its nodes have GPUs, as `submit` places them, and are placed as the profile says."""
+    gpus = max(1, int(config.scaling.gpus_per_worker)) if profile.gpus_per_node else 0
+    return updated(config, {"scaling": {"gpus_per_worker": float(gpus), "placement": profile.placement}},
+                   f"{config.name} on {profile.source}")
+
+
+def submission(sweep: Sweep, profile: ClusterProfile, sweep_dir: Optional[str], nodes: Optional[int],
+               resume: bool) -> Submission:
+    """The sweep as one job on the profile's cluster, whose driver runs `sweep --resume SWEEP_DIR`
+    there: `sweep.json`, written into SWEEP_DIR (by default in the profile's storage) just before
+    the job is sent, is all it reads. A SLURM job asks for `nodes` whole nodes, and its trials
+    take turns on them; a Ray cluster must have the profile's nodes."""
+    nodes = profile.nodes if nodes is None else nodes
+    if nodes < 1:
+        raise UserError(f"--nodes must be >= 1, got {nodes}")
+    s = sweep.config.scaling
+    per_node = (profile.gpus_per_node // int(s.gpus_per_worker) if s.gpus_per_worker
+                else int(profile.cpus_per_node // s.cpus_per_worker))
+    if per_node < 1:
+        raise UserError(f"a node of {profile.source} ({profile.cpus_per_node} CPUs, {profile.gpus_per_node} GPUs) "
+                        f"holds no worker of {s.cpus_per_worker:g} CPUs and {s.gpus_per_worker:g} GPUs")
+    if s.workers > nodes * per_node:
+        raise UserError(f"a trial's {s.workers} workers do not fit on {nodes} nodes of {per_node} workers each "
+                        "(--nodes, --workers)")
+    job_id = jobs.new_job_id(f"{sweep.config.name}-sweep")
+    sweep_dir = sweep_dir or storage.join(storage.normalize(profile.storage), job_id)
+    entrypoint = (f"python -m raytrain_app.cli sweep --resume {shlex.quote(sweep_dir)} "
+                  f"{jobs.on_the_cluster(profile, nodes)}")
+    runtime_env = jobs.job_runtime_env(profile, jobs.job_folder(profile), {})
+    return Submission(profile, sweep.config, job_id, sweep_dir, nodes, per_node, runtime_env, entrypoint,
+                      files={} if resume else {SPEC_FILE: sweep.spec()}, sweep=sweep.describe())
 
 
 @dataclass
@@ -169,11 +217,12 @@ class Trial:
 
 
 def launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], verbose: bool,
-           echo: Callable[[str], None]) -> tuple[list[Trial], bool]:
+           echo: Callable[[str], None], min_nodes: int = 1, node_timeout_s: float = 0) -> tuple[list[Trial], bool]:
     """Run (or resume) the sweep on a cluster chosen as `train` chooses one; returns the trials,
     best first, and whether the sweep was interrupted (Ctrl-C: Tune saves its state and stops
     every trial; `--resume` continues). An embedded cluster gets room for as many trials as this
-    machine's CPUs (or GPUs) hold, and their drivers."""
+    machine's CPUs (or GPUs) hold; a joined one `node_timeout_s` to reach
+    `min_nodes` (a SLURM allocation's nodes join while the sweep's job starts)."""
     from raytrain_app.capacity import check_workers_fit, connected_nodes, spare_cpus
     from raytrain_app.session import cluster_for
 
@@ -182,12 +231,12 @@ def launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], v
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     if not resume:
         sweep.save(sweep_dir)
-    # Trials that fit this machine, their drivers' CPU fractions on top: an embedded cluster's size.
-    here = sweep.max_concurrent or trials_that_fit(config, (os.cpu_count() or 1) + 1, _local_gpus())
-    trial_cpus = s.workers * s.cpus_per_worker + spare_cpus(config) + TRIAL_DRIVER_CPUS
+    # Trials that fit this machine: an embedded cluster's size.
+    here = sweep.max_concurrent or trials_that_fit(config, os.cpu_count() or 1, _local_gpus())
+    trial_cpus = s.workers * s.cpus_per_worker + spare_cpus(config)
     room = here * trial_cpus - s.workers * s.cpus_per_worker  # beyond one trial's workers, which cluster_for counts
     log_dir = os.path.join(sweep_dir, "logs") if storage.is_local(sweep_dir) else None
-    with cluster_for(s, address, log_dir, verbose, echo, spare_cpus=room, dashboard=True):
+    with cluster_for(s, address, log_dir, verbose, echo, room, min_nodes, node_timeout_s, dashboard=True):
         nodes = connected_nodes()
         check_workers_fit(nodes, config)  # one trial fits, or one line now
         alive = [n for n in nodes if n.alive]
@@ -206,7 +255,7 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
     """Run (or resume) the sweep on the cluster this process is connected to, which has `cpus` and
     `gpus`."""
     trainable = tune.with_resources(tune.with_parameters(_trial, sweep=sweep, sweep_dir=sweep_dir),
-                                    {"cpu": TRIAL_DRIVER_CPUS})
+                                    TRIAL_DRIVER)
     parent, name = os.path.dirname(sweep_dir.rstrip("/")), os.path.basename(sweep_dir.rstrip("/"))
     run_config = tune.RunConfig(storage_path=parent, name=name, verbose=1 if verbose else 0,
                                 callbacks=[_Progress(sweep, echo)])
@@ -214,18 +263,18 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
         tuner = tune.Tuner.restore(sweep_dir, trainable=trainable, resume_errored=True)
     else:
         concurrent = sweep.max_concurrent or trials_that_fit(sweep.config, cpus, gpus)
-        echo(f"sweep {sweep_dir}: {sweep.samples} samples of {', '.join(map(str, sweep.params))}; "
-             f"{concurrent} trials at once, {sweep.scheduler} on {sweep.metric} ({sweep.mode})")
+        echo(f"sweep {sweep_dir}: {sweep.describe()}; {concurrent} trials at once")
         epochs = max([sweep.config.train.epochs, *(p.most for p in sweep.params if p.key == "train.epochs")])
         scheduler = (ASHAScheduler(time_attr="epoch", metric=sweep.metric, mode=sweep.mode, max_t=epochs,
                                    grace_period=1, reduction_factor=2, stop_last_trials=False)
                      if sweep.scheduler == "asha" else FIFOScheduler())
         tuner = tune.Tuner(
             trainable, param_space={p.key: p.space() for p in sweep.params},
-            tune_config=tune.TuneConfig(num_samples=sweep.samples, max_concurrent_trials=concurrent,
-                                        scheduler=scheduler, trial_dirname_creator=_trial_dirname,
-                                        trial_name_creator=_trial_dirname,
-                                        search_alg=BasicVariantGenerator(random_state=sweep.seed)),
+            # The limit goes to the sampler: Tune ignores max_concurrent_trials beside a sampler given.
+            tune_config=tune.TuneConfig(num_samples=sweep.samples, scheduler=scheduler,
+                                        trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname,
+                                        search_alg=BasicVariantGenerator(random_state=sweep.seed,
+                                                                         max_concurrent=concurrent)),
             run_config=run_config)
     results = tuner.fit()
     errors = {os.path.basename(r.path.rstrip("/")): last_line(r.error) for r in results if r.error}
@@ -244,7 +293,7 @@ def trials_that_fit(config: JobConfig, cpus: float, gpus: float) -> int:
     s = config.scaling
     if s.gpus_per_worker:
         return max(1, int(gpus // (s.workers * s.gpus_per_worker)))
-    return max(1, int(cpus // (s.workers * s.cpus_per_worker + spare_cpus(config) + TRIAL_DRIVER_CPUS)))
+    return max(1, int(cpus // (s.workers * s.cpus_per_worker + spare_cpus(config))))
 
 
 def write_best(sweep: Sweep, sweep_dir: str, trials: list[Trial]) -> Optional[str]:

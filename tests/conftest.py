@@ -117,3 +117,9 @@ def torchrun_reference(tmp_path_factory) -> tuple[list[str], str]:
 
 def epoch_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("epoch ")]
+
+
+def sweep_table(stdout: str) -> dict[str, list[str]]:
+    """A sweep's table: each trial's row (parameters, best metric, epochs, status) by its name."""
+    lines = stdout[stdout.index("TRIAL "):].splitlines()[1:]
+    return {line.split()[0]: line.split(None, 4)[1:] for line in lines if line.startswith("trial-")}

@@ -17,7 +17,7 @@ import yaml
 
 from tests import slurmcluster
 from tests.commands import command
-from tests.conftest import REPO, epoch_lines
+from tests.conftest import REPO, sweep_table
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,8 @@ def ray_processes_of(job_id: str) -> list[psutil.Process]:
 
 
 def test_two_jobs_share_a_node_and_status_logs_stop_and_list_show_slurms_view(slurm, profile):
-    """A long job and a short one run at once on the one node (1 CPU each), each with its own Ray
-    (ports, temp dir, token); the short one trains to the end, the long one is stopped."""
+    """A long training job and a short sweep run at once on the one node (1 CPU each), each with its
+    own Ray (ports, temp dir, token); the sweep's trial trains to the end, the long job is stopped."""
     long = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--name", "long", "--no-wait",
                "--set", "train.epochs=100000")
     assert long.returncode == 0, long.stderr
@@ -72,16 +72,20 @@ def test_two_jobs_share_a_node_and_status_logs_stop_and_list_show_slurms_view(sl
     long_run = re.search(r"run directory (\S+)", long.stdout).group(1)
     assert slurm.run("squeue", "--noheader", "--format=%j", "--jobs", long_id).strip() == os.path.basename(long_run)
 
-    short = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--set", "train.epochs=2")
+    # A sweep whose driver runs in the allocation: its trial and the trial's worker share the job's one CPU.
+    short = cli(slurm, "sweep", "examples/digits.yaml", "--param", "optimizer.lr=grid:0.1", "--samples", "1",
+                "--workers", "1", "--set", "train.epochs=2", "--cluster", profile)
     assert short.returncode == 0, short.stdout + short.stderr
     short_id = submitted_id(short.stdout)
-    assert len(epoch_lines(short.stdout)) == 2 and f"job {short_id} completed" in short.stdout
+    [(trial, row)] = sweep_table(short.stdout).items()
+    assert row[-2:] == ["2", "finished"] and f"job {short_id} completed" in short.stdout, short.stdout
     assert "Ray runtime started" not in short.stdout  # Ray's own output goes to its own file
     run_dir = re.search(r"run directory (\S+)", short.stdout).group(1)
-    assert [json_line["epoch"] for json_line in map(yaml.safe_load, open(f"{run_dir}/metrics.jsonl"))] == [1, 2]
+    assert [line["epoch"] for line in map(yaml.safe_load, open(f"{run_dir}/{trial}/metrics.jsonl"))] == [1, 2]
     script = open(f"{run_dir}/job.sbatch").read()
-    assert "#SBATCH --time=10:00" in script and f"--run-dir {run_dir}" in script
+    assert "#SBATCH --time=10:00" in script and f"sweep --resume {run_dir} --address auto --min-nodes 1" in script
     assert subprocess.run(["bash", "-n", f"{run_dir}/job.sbatch"]).returncode == 0
+    assert f"--run-dir {long_run} --resume-if-any" in open(f"{long_run}/job.sbatch").read()
 
     # The long job's Ray lived beside the short job's: SLURM still runs it, on the same node.
     status = cli(slurm, "status", long_id, "--cluster", profile)
@@ -176,4 +180,5 @@ def test_the_rendered_script_for_two_gpu_nodes_asks_slurm_for_them_and_starts_ra
     assert re.search(r'srun --nodes=1 --ntasks=1 --exclude="\$head" \\\n  bash -c .ray_node --address=', script)
     config = yaml.safe_load(script.split("<<'RAYTRAIN_JOB_CONFIG'\n")[1].split("\nRAYTRAIN_JOB_CONFIG\n")[0])
     assert (config["scaling"]["workers"], config["scaling"]["backend"]) == (8, "nccl")
-    assert script.rstrip().endswith("--min-nodes 2 --node-timeout 900")
+    assert script.rstrip().splitlines()[-1].startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.cli "
+                                                      "train - --address auto --min-nodes 2 --node-timeout 900 ")
