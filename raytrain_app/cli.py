@@ -346,7 +346,6 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
     \b
     Examples:
       raytrain-app sweep job.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --param train.batch_size=choice:32,64,128
-      raytrain-app sweep job.yaml --param optimizer.lr=grid:0.1,0.01 --samples 2 --scheduler fifo --max-concurrent 2
       raytrain-app sweep --resume sweeps/digits-20261124-101500
       raytrain-app sweep job.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --cluster cluster/slurm.yaml --nodes 4
     """

@@ -73,7 +73,7 @@ set -euo pipefail
 
 {chr(10).join(p.setup) if p.setup else "# (no slurm.setup lines: python, ray and raytrain_app come from PATH)"}
 
-# The resolved job config and the profile's variables; srun hands them to every node.
+# The profile's variables (and a training job's resolved config); srun hands them to every node.
 {exports}
 
 # This job's own Ray: a fresh token, a block of {PORT_BLOCK} ports picked by the job id (two jobs sharing
