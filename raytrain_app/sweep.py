@@ -278,7 +278,7 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
             run_config=run_config)
     results = tuner.fit()
     errors = {os.path.basename(r.path.rstrip("/")): last_line(r.error) for r in results if r.error}
-    analysis = tune.ExperimentAnalysis(results.experiment_path)
+    analysis = tune.ExperimentAnalysis(sweep_dir)  # results.experiment_path drops a URI's scheme
     # Interrupted trials stay RUNNING or PENDING in the saved state, which a resume picks up.
     interrupted = any(t.status in ("RUNNING", "PENDING", "PAUSED") for t in analysis.trials)
     trials = [_summary(sweep, sweep_dir, t, interrupted, errors) for t in analysis.trials]

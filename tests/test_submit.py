@@ -181,35 +181,44 @@ def test_train_reuses_the_running_local_cluster_where_hsdp_replicates_across_its
         assert running_local_cluster(workers, cpus, gpus) is None
 
 
-def test_a_sweep_submitted_to_the_cluster_runs_its_trials_on_both_nodes_and_best_yaml_reproduces(two_nodes,
+def test_a_sweep_submitted_to_the_cluster_runs_its_trials_on_both_nodes_and_best_yaml_reproduces(two_nodes, s3,
                                                                                                  tmp_path):
     """`sweep --cluster`: the sweep's driver is a Ray job on the cluster; its two one-worker trials
-    run at once, one on each 1-CPU node (a trial's function takes no CPU)."""
-    profile_file, profile = two_nodes
+    run at once, one on each 1-CPU node (a trial's function takes no CPU), and the sweep's
+    directory is in the profile's storage, here a bucket."""
+    _, profile = two_nodes
+    profile_file = write_profile(tmp_path / "profile.yaml", local=vars(profile.local),
+                                 auth={"token_file": profile.auth.token_file}, storage=f"s3://{s3.bucket}/sweeps",
+                                 runtime_env={"env_vars": {name: f"${{{name}}}" for name in s3.env}})
+    env = {**os.environ, **s3.env}
     proc = cli("sweep", "examples/digits.yaml", "--param", "optimizer.lr=grid:0.1,0.03", "--samples", "1",
-               "--workers", "1", "--set", "train.epochs=1", "--cluster", profile_file, timeout=300)
+               "--workers", "1", "--set", "train.epochs=1", "--cluster", profile_file, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id = re.search(r"submitted (\S+) to http\S+ \(a sweep\); run directory (\S+)", proc.stdout).group(1)
-    sweep_dir = Path(profile.storage) / job_id
+    job_id, sweep_dir = re.search(r"submitted (\S+) to http\S+ \(a sweep\); run directory (\S+)", proc.stdout).groups()
+    assert sweep_dir == f"s3://{s3.bucket}/sweeps/{job_id}"
     assert f"sweep {sweep_dir}: 1 samples of optimizer.lr=grid:0.1,0.03; asha on eval_accuracy (max); " \
            "2 trials at once" in proc.stdout and f"job {job_id} succeeded" in proc.stdout
     rows = sweep_table(proc.stdout)
     assert len(rows) == 2 and {row[-1] for row in rows.values()} == {"finished"}, proc.stdout
-    nodes = {re.search(r"on node (\w+)", (sweep_dir / name / "logs" / "rank-0.log").read_text()).group(1)
-             for name in rows}
+
+    def stored(key: str) -> str:
+        return s3.client().get_object(Bucket=s3.bucket, Key=f"sweeps/{job_id}/{key}")["Body"].read().decode()
+
+    nodes = {re.search(r"on node (\w+)", stored(f"{name}/logs/rank-0.log")).group(1) for name in rows}
     assert len(nodes) == 2  # the trials ran side by side, on the cluster's two nodes
-    assert json.loads((sweep_dir / "sweep.json").read_text())["params"] == ["optimizer.lr=grid:0.1,0.03"]
-    listed = cli("list", "--cluster", profile_file).stdout
+    assert json.loads(stored("sweep.json"))["params"] == ["optimizer.lr=grid:0.1,0.03"]
+    listed = cli("list", "--cluster", profile_file, env=env).stdout
     assert re.search(rf"^{job_id} +digits \(sweep\) +SUCCEEDED .* {sweep_dir}$", listed, re.M), listed
     # `--resume` sends the same driver with the sweep's directory, and writes nothing into it.
-    resumed = cli("sweep", "--resume", str(sweep_dir), "--cluster", profile_file, "--dry-run")
+    resumed = cli("sweep", "--resume", sweep_dir, "--cluster", profile_file, "--dry-run", env=env)
     assert resumed.returncode == 0 and re.search(rf"entrypoint +python -m raytrain_app.cli sweep --resume "
                                                  rf"{sweep_dir} --address auto$", resumed.stdout, re.M)
 
     # best.yaml, trained again (on the same cluster, which `train` joins), scores what its trial did.
     best_name, best_row = next(iter(rows.items()))
     assert f"best: {best_name}, eval_accuracy {float(best_row[1]):.4f}" in proc.stdout
-    again = cli("train", str(sweep_dir / "best.yaml"), "--run-dir", str(tmp_path / "again"))
+    (tmp_path / "best.yaml").write_text(stored("best.yaml"))
+    again = cli("train", str(tmp_path / "best.yaml"), "--run-dir", str(tmp_path / "again"))
     assert again.returncode == 0 and f"using the running local cluster '{profile.name}'" in again.stdout, again.stderr
     assert re.search(rf"best eval_accuracy +{float(best_row[1]):.4f} ", again.stdout), (best_row, again.stdout)
 
