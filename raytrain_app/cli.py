@@ -1,6 +1,7 @@
 """The `raytrain-app` command line: thin wrappers over the library, with exit codes
 
     0  success    1  training failed    2  user error (bad config, missing file, ...)
+    130  interrupted (Ctrl-C)    141  the output pipe closed (`| head`)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ STARTED = time.time()  # start-up is measured from here: Python itself has run ~
 
 from raytrain_app.errors import TrainingFailed, UserError, last_line
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
+EXIT_FAILED, EXIT_USAGE, EXIT_BROKEN_PIPE = 1, 2, 141  # 141: what a shell reports for SIGPIPE
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -722,6 +723,9 @@ class _command:
         if isinstance(error, KeyboardInterrupt):
             click.echo("interrupted", err=True)
             sys.exit(130)
+        if isinstance(error, BrokenPipeError):  # the reader left (`| head`): stop quietly, as Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails again
+            sys.exit(EXIT_BROKEN_PIPE)
         if isinstance(error, Exception):  # a bug: still one line, with the traceback kept in a file
             click.echo(f"error: internal error, {type(error).__name__}: {last_line(error)} "
                        f"({_keep_traceback(kind, error, tb)})", err=True)

@@ -84,8 +84,7 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     for flag, value, least in (("--nodes", nodes, 1), ("--gpus-per-node", gpus, 0), ("--cpus-per-node", cpus, 1)):
         if value < least:
             raise UserError(f"{flag} must be >= {least}, got {value}")
-    # A worker takes one GPU, or several for a model that spreads itself over them.
-    worker_gpus = max(1, int(config.scaling.gpus_per_worker)) if gpus else 0
+    worker_gpus = gpus_per_worker(config, gpus)
     if gpus and gpus % worker_gpus:
         raise UserError(f"--gpus-per-node {gpus} does not split into workers of scaling.gpus_per_worker "
                         f"{worker_gpus} GPUs")
@@ -129,6 +128,11 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
                   f"--run-dir {shlex.quote(run_dir)} --resume-if-any")
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source))
+
+
+def gpus_per_worker(config: JobConfig, node_gpus: int) -> int:
+    """On nodes with GPUs a worker takes one, or several for a model that spreads itself over them."""
+    return max(1, int(config.scaling.gpus_per_worker)) if node_gpus else 0
 
 
 def job_folder(profile: ClusterProfile) -> Optional[str]:

@@ -174,7 +174,7 @@ def plan_sweep(config: JobConfig, param_exprs: Sequence[str], samples: int, sche
 def on_cluster(config: JobConfig, profile: ClusterProfile) -> JobConfig:
     """Trials for a profile's cluster, whose workers take a GPU each (or `scaling.gpus_per_worker`)
     where its nodes have GPUs, as `submit` places them, and are placed as the profile says."""
-    gpus = max(1, int(config.scaling.gpus_per_worker)) if profile.gpus_per_node else 0
+    gpus = jobs.gpus_per_worker(config, profile.gpus_per_node)
     return updated(config, {"scaling": {"gpus_per_worker": float(gpus), "placement": profile.placement}},
                    f"{config.name} on {profile.source}")
 

@@ -202,6 +202,16 @@ def leaf_commands(group, path=()):
             yield (*path, name)
 
 
+def test_output_into_a_closed_pipe_ends_quietly_as_unix_tools_do():
+    """`raytrain-app ... | head`: the reader leaves early; no "internal error", no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "slurm", "render", "examples/digits.yaml",
+                             "--cluster", "cluster/slurm.yaml", "--skip-checks"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command (still importing) writes its first line
+    said = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and said == "", said
+
+
 def test_every_commands_help_ends_with_two_or_three_examples():
     from click.testing import CliRunner
 
