@@ -5,6 +5,9 @@ own arguments, environment, working directory, stdout, stderr and exit code.
 
 The fork server is a fresh interpreter, not a fork of pytest, so no test's Ray connection or
 threads leak into the commands. Tests that time a command's whole start-up use a real subprocess.
+
+The child writes its exit code to a file as well: under load, CPython's fork server can lose a
+child's status and report 255 for a command that exited 2 (cpython#140867; seen once in CI).
 """
 
 import multiprocessing
@@ -28,7 +31,7 @@ class Finished:
     seconds: float
 
 
-def _child(args: list, env: dict, cwd: str, out: str, err: str) -> None:
+def _child(args: list, env: dict, cwd: str, out: str, err: str, status: str) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's when it started
     os.environ.update(env)
     os.chdir(cwd)
@@ -45,6 +48,8 @@ def _child(args: list, env: dict, cwd: str, out: str, err: str) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    with open(status, "w") as f:
+        f.write(str(code))
     os._exit(code)
 
 
@@ -52,15 +57,16 @@ def command(args: list, cwd, env: Optional[dict] = None, timeout: float = 60) ->
     """Run `raytrain-app ARGS` in a forked child, in `cwd` with `env` (default: this process's
     environment), as `subprocess.run` would."""
     with tempfile.TemporaryDirectory(prefix="command-") as scratch:
-        out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
+        out, err, status = (os.path.join(scratch, name) for name in ("stdout", "stderr", "status"))
         start = time.monotonic()
         child = _context.Process(target=_child, args=(list(args), dict(os.environ if env is None else env), str(cwd),
-                                                      out, err))
+                                                      out, err, status))
         child.start()
         child.join(timeout)
         if child.exitcode is None:
             child.kill()
             raise subprocess.TimeoutExpired(["raytrain-app", *args], timeout)
         took = time.monotonic() - start
+        code = int(open(status).read()) if os.path.exists(status) else child.exitcode  # none if it was killed
         with open(out) as o, open(err) as e:
-            return Finished(child.exitcode, o.read(), e.read(), took)
+            return Finished(code, o.read(), e.read(), took)
