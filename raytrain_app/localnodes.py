@@ -144,6 +144,10 @@ def ray_executable() -> str:
 
 
 def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path) -> psutil.Process:
+    """Node `i` of a local cluster. Each node has a Ray temp dir of its own, as on separate hosts:
+    nodes sharing one would share its `runtime_resources`, where a node that has not yet unpacked
+    a job's working_dir unpacks it again over another node's copy, deleting the directory the
+    job's driver runs in (Ray's working_dir plugin overwrites)."""
     lp = profile.local
     workers = lp.worker_port_base + 1000 * i
     cmd = [ray_executable(), "start", "--block", "--disable-usage-stats",
@@ -155,7 +159,7 @@ def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path) -> psuti
                 "--dashboard-host", "127.0.0.1", "--dashboard-port", str(lp.dashboard_port),
                 "--ray-client-server-port", str(lp.client_port)]
     else:
-        cmd += ["--address", f"127.0.0.1:{lp.port}"]
+        cmd += ["--address", f"127.0.0.1:{lp.port}", "--temp-dir", str(temp / str(i))]
     with open(temp / f"node-{i}.log", "wb") as log:
         return psutil.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)

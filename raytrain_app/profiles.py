@@ -26,6 +26,11 @@ from raytrain_app.config import Section
 from raytrain_app.configfile import read_yaml, validated
 from raytrain_app.errors import UserError
 
+# Ray's Unix socket paths must fit in 107 bytes. The longest, the head's
+# TEMP/session_DATE_TIME_PID/sockets/dash_MetricsHead, takes 68 beyond TEMP with a 7-digit PID
+# (another node's, under TEMP/N, up to 67).
+MAX_TEMP_DIR = 39
+
 
 class RuntimeEnv(Section):
     working_dir: Optional[str] = Field(None, description="a directory to upload with every job (relative to the "
@@ -68,8 +73,9 @@ class LocalNodes(Section):
     client_port: int = Field(10001, ge=1, le=65535, description="Ray Client server on the head")
     worker_port_base: int = Field(20000, ge=1, le=64535, description="node i: worker ports base + 1000 i ... + 999")
     agent_port_base: int = Field(52365, ge=1, le=65535, description="node i: dashboard agent on base + i")
-    temp_dir: Optional[str] = Field(None, max_length=48, description="default /tmp/raytrain/NAME; at most 48 "
-                                                                     "characters (Ray's socket paths must fit)")
+    temp_dir: Optional[str] = Field(None, max_length=MAX_TEMP_DIR,
+                                    description=f"default /tmp/raytrain/NAME; at most {MAX_TEMP_DIR} characters "
+                                                "(Ray's socket paths must fit); node i > 0 uses TEMP/i")
 
 
 class Slurm(Section):
@@ -193,9 +199,9 @@ class ClusterProfile(Section):
     def _launcher_not_local(self):
         if self.launcher and self.is_local:
             raise ValueError("launcher: must be unset for address: local (cluster up starts it directly)")
-        if len(self.temp_dir) > 48:
-            raise ValueError("local.temp_dir: the default /tmp/raytrain/NAME is over 48 characters: shorten name "
-                             "or set local.temp_dir")
+        if len(self.temp_dir) > MAX_TEMP_DIR:
+            raise ValueError(f"local.temp_dir: the default /tmp/raytrain/NAME is over {MAX_TEMP_DIR} characters: "
+                             "shorten name or set local.temp_dir")
         return self
 
     @property

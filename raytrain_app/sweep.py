@@ -198,7 +198,8 @@ def submission(sweep: Sweep, profile: ClusterProfile, sweep_dir: Optional[str], 
         raise UserError(f"a trial's {s.workers} workers do not fit on {nodes} nodes of {per_node} workers each "
                         "(--nodes, --workers)")
     job_id = jobs.new_job_id(f"{sweep.config.name}-sweep")
-    sweep_dir = sweep_dir or storage.join(storage.normalize(profile.storage), job_id)
+    # A local path as the cluster sees it: its jobs run in their working_dir, not here.
+    sweep_dir = storage.normalize(sweep_dir or storage.join(storage.normalize(profile.storage), job_id))
     entrypoint = (f"python -m raytrain_app.cli sweep --resume {shlex.quote(sweep_dir)} "
                   f"{jobs.on_the_cluster(profile, nodes)}")
     runtime_env = jobs.job_runtime_env(profile, jobs.job_folder(profile), {})

@@ -98,10 +98,36 @@ def test_cluster_status_shows_both_nodes(two_nodes):
 
 def ray_cli(profile, *args):
     """Ray's own `ray job ...` command against the profile's cluster, with its token."""
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", *args,
-                           "--address", profile.jobs_address], capture_output=True, text=True,
+    verb, *rest = args
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", verb,
+                           "--address", profile.jobs_address, *rest], capture_output=True, text=True,
                           env=ray_cli_env(profile), timeout=60)
     return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+
+
+WHERE_UNPACKED = """
+import os
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init()
+cwd = ray.remote(num_cpus=0)(lambda: os.getcwd())
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+unpacked = ray.get([cwd.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+                    for n in nodes])
+print(f"{len(nodes)} nodes unpacked into {len(set(unpacked))} folders; the driver's is still", os.getcwd())
+"""
+
+
+def test_each_node_unpacks_a_jobs_working_dir_apart_so_the_driver_keeps_its_folder(two_nodes, tmp_path):
+    """Nodes of a local cluster have a Ray temp dir each, as hosts do: when they shared one, the
+    second node unpacked a job's working_dir over the first's copy, the folder the job's driver
+    runs in, and a sweep's driver then failed reading files (os.getcwd: FileNotFoundError)."""
+    _, profile = two_nodes
+    (tmp_path / "where.py").write_text(WHERE_UNPACKED)
+    code, said = ray_cli(profile, "submit", "--working-dir", str(tmp_path), "--", "python", "where.py")
+    assert code == 0, said
+    assert re.search(r"^2 nodes unpacked into 2 folders; the driver's is still /\S+/_ray_pkg_", said, re.M), said
 
 
 def submit_long_job(profile_file) -> str:
@@ -294,6 +320,9 @@ def test_unreachable_cluster_fails_within_its_timeout(tmp_path):
     ({"placement": "RANDOM"}, "placement: must be one of PACK, SPREAD"),
     ({"address": "ftp://x"}, "address: must be local or http://HOST:PORT"),
     ({"auth": {"token": "abc"}}, "never put a token in a profile"),
+    # Ray's socket paths under it must fit in 107 bytes.
+    ({"local": {"temp_dir": "/tmp/" + "x" * 35}}, "local.temp_dir: string should have at most 39 characters"),
+    ({"name": "n" * 26, "local": {}}, "local.temp_dir: the default /tmp/raytrain/NAME is over 39 characters"),
 ])
 def test_bad_profiles_are_one_line_errors(tmp_path, fields, message):
     proc = cli("submit", "examples/digits.yaml", "--cluster", write_profile(tmp_path / "p.yaml", **fields),

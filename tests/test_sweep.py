@@ -68,6 +68,11 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
 
     resumed = command(["sweep", "--resume", str(sweep_dir)], REPO, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # Sent to a cluster, whose job runs in its own working_dir, a relative SWEEP_DIR goes absolute.
+    plan = command(["sweep", "--resume", "sweep", "--cluster", os.path.join(REPO, "cluster", "local-2node.yaml"),
+                    "--dry-run"], tmp_path)
+    assert re.search(rf"^entrypoint +python -m raytrain_app.cli sweep --resume {sweep_dir} ", plan.stdout, re.M), \
+        plan.stdout + plan.stderr
     rows = sweep_table(resumed.stdout)
     assert sorted(rows) == ["trial-00000", "trial-00001", "trial-00002", "trial-00003"]
     statuses = {name: row[-1] for name, row in rows.items()}

@@ -82,7 +82,8 @@ def two_hosts(tmp_path_factory):
             (head_ns, [ray, "start", "--head", *common, "--node-ip-address", HEAD_IP, "--port", str(GCS_PORT),
                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
                        "--temp-dir", ray_tmp]),
-            (worker_ns, [ray, "start", *common, "--node-ip-address", WORKER_IP, "--address", f"{HEAD_IP}:{GCS_PORT}"]),
+            (worker_ns, [ray, "start", *common, "--node-ip-address", WORKER_IP, "--address", f"{HEAD_IP}:{GCS_PORT}",
+                         "--temp-dir", os.path.join(ray_tmp, "worker")]),  # a disk of its own, as a host has
         ]
         for i, (ns, cmd) in enumerate(nodes):
             log = open(tmp / f"node-{i}.log", "wb")
