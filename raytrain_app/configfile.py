@@ -39,8 +39,55 @@ Loader.add_implicit_resolver(
 )
 
 
+# A config, profile or --set value is a few hundred nodes; aliases may repeat a node, but what
+# they expand to is bounded, so that a few hundred bytes naming each other ("billion laughs")
+# are refused at once instead of growing without end in the line index, pydantic and copies.
+MAX_NODES = 100_000
+
+
+class Refused(yaml.YAMLError):
+    """Well-formed YAML that is not read: aliases that expand too far, or into themselves."""
+
+
 def loads(text: str) -> Any:
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - Loader is a SafeLoader
+    """A YAML document's data (None for an empty one); raises yaml.YAMLError, also for one whose
+    aliases expand past MAX_NODES or into themselves."""
+    return _load(text)[0]
+
+
+def _load(text: str) -> tuple[Any, Optional[yaml.Node]]:
+    """The data and its node tree, the expansion checked before any Python object is made."""
+    loader = Loader(text)  # checks the characters first
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _expanded_size(node, {}, set())
+        return loader.construct_document(node), node
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """How many nodes `node` stands for once every alias is copied out, counted once per distinct
+    node (so the count itself is linear in the file)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise Refused("an alias refers to a node that contains it (a recursive alias)")
+    open_.add(key)
+    children = (node.value if isinstance(node, yaml.SequenceNode) else
+                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+    size = 1
+    for child in children:
+        size += _expanded_size(child, sizes, open_)
+        if size > MAX_NODES:
+            raise Refused(f"its aliases expand to more than {MAX_NODES:,} values (a file naming itself "
+                                 "over and over?)")
+    open_.discard(key)
+    sizes[key] = size
+    return size
 
 
 def dumps(value: Any) -> str:
@@ -66,6 +113,8 @@ class ConfigDoc:
             raise ConfigError(f"bad --set expression {expr!r}: expected KEY=VALUE, e.g. train.epochs=5")
         try:
             value = loads(text) if text.strip() else ""
+        except Refused as e:
+            raise ConfigError(f"bad --set expression {_show(expr)}: YAML refused: {e}") from None
         except yaml.YAMLError:
             raise ConfigError(f"bad --set expression {expr!r}: the value is not valid YAML") from None
         if not isinstance(self.data, dict):
@@ -111,17 +160,13 @@ def read_yaml(path: str | Path) -> ConfigDoc:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {source}: {e}") from None
     try:
-        loader = Loader(text)  # checks the characters first
-        try:
-            node = loader.get_single_node()
-            data = loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
+        data, node = _load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{source}{where}: malformed YAML: {problem}") from None
+        what = "YAML refused" if isinstance(e, Refused) else "malformed YAML"
+        raise ConfigError(f"{source}{where}: {what}: {problem}") from None
     if data is None:
         raise ConfigError(f"{source}: the config is empty" if source != "-" else "-: standard input is empty")
     if not isinstance(data, dict):

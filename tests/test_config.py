@@ -237,3 +237,36 @@ def test_the_readme_config_reference_is_the_schema():
     for section, fields in JobConfig.model_fields.items():
         assert re.search(rf"^{section}:", readme, re.MULTILINE), section
     assert "  stop_on_nonfinite: true # stop every rank at the first NaN/inf training loss" in readme
+
+
+def _laughs() -> list[str]:
+    """A few hundred bytes whose aliases name each other nine times over: 9^9 values once copied out."""
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    return lines
+
+
+@pytest.mark.parametrize("where", ["job", "set", "profile", "recursive"])
+def test_aliases_that_expand_without_end_are_refused_at_once(tmp_path, where):
+    import time
+    import tracemalloc
+
+    (tmp_path / "job.yaml").write_text("model:\n  args:\n" + "".join(f"    {line}\n" for line in _laughs()))
+    (tmp_path / "profile.yaml").write_text("kind: local\nname: p\n" + "".join(f"{line}\n" for line in _laughs()))
+    (tmp_path / "recursive.yaml").write_text("model: &m {args: {inner: *m}}\n")
+    load = {"job": lambda: load_config(tmp_path / "job.yaml"),
+            "set": lambda: load_config(f"{REPO}/examples/digits.yaml", ["model.args={" + ", ".join(_laughs()) + "}"]),
+            "profile": lambda: load_profile(str(tmp_path / "profile.yaml")),
+            "recursive": lambda: load_config(tmp_path / "recursive.yaml")}[where]
+    tracemalloc.start()
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as caught:
+        load()
+    seconds = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert seconds < 1 and peak < 20 * 2**20, (seconds, peak)
+    [line] = caught.value.lines
+    reason = "a recursive alias" if where == "recursive" else "aliases expand to more than 100,000 values"
+    assert "YAML refused" in line and reason in line, line
