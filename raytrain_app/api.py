@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from raytrain_app.config import JobConfig, load_config, with_overrides
-from raytrain_app.errors import UserError
+from raytrain_app.errors import Interrupted, UserError
 
 
 def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequence[str]] = None,
@@ -55,14 +55,36 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     echo(f"run {plan.run_dir}: {s.workers} workers, {what}")
     for warning in plan.warnings:
         echo(f"warning: {warning}")
+    def lost(message: str) -> None:  # the embedded node died under the run
+        from raytrain_app.trainer import record_status
+
+        record_status(plan.run_dir, "failed", message)
+
     try:
-        with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config), min_nodes, node_timeout_s):
+        with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config), min_nodes, node_timeout_s,
+                         on_node_lost=lost):
             from raytrain_app.trainer import run_training
 
             marks["cluster"] = time.time()
-            return run_training(plan, progress=progress, echo=echo, marks=marks)
+            result = run_training(plan, progress=progress, echo=echo, marks=marks)
+    except KeyboardInterrupt:
+        raise Interrupted(_how_to_continue(config, plan, script_args)) from None
     finally:
         plan.upload_logs()
+    result.wall_s = time.time() - marks["start"]  # the command's, its cluster's stop included
+    return result
+
+
+def _how_to_continue(config, plan, script_args: Sequence[str]) -> str:
+    """What continues an interrupted run: the command, where it has a checkpoint to resume."""
+    from raytrain_app import storage
+    from raytrain_app.plan import CHECKPOINT_SNAPSHOT
+
+    if not storage.exists(storage.join(plan.run_dir, CHECKPOINT_SNAPSHOT)):
+        return "no checkpoint was written: start it again"
+    what = str(config) if isinstance(config, (str, Path)) else "CONFIG"
+    args = f" -- {' '.join(script_args)}" if script_args else ""
+    return f"`raytrain-app train {what} --resume --run-dir {plan.run_dir}{args}` continues it"
 
 
 def job_config(config: Union[str, Path, dict, JobConfig], overrides: Sequence[str] = (),
@@ -80,26 +102,28 @@ def job_config(config: Union[str, Path, dict, JobConfig], overrides: Sequence[st
     return "<config>", with_overrides(raw, overrides)
 
 
-def load_model(checkpoint_or_run_dir: str, model: Optional[Callable] = None, devices: Optional[Sequence] = None):
-    """The trained model, weights loaded and in eval mode, from a checkpoint directory, a run
-    directory (its newest checkpoint), or an export (`raytrain-app export`: its model.json, its
-    weights file, or their directory); local paths or URIs.
+def load_model(path: str, model: Optional[Callable] = None, devices: Optional[Sequence] = None,
+               checkpoint: Optional[str] = None):
+    """The trained model, weights loaded and in eval mode, taking inputs as the training data
+    stored them (raw CSV values, uint8 pixels): it resizes and normalises them itself, as training
+    did. `.model` inside it is the model as built; `.source` says which checkpoint it is.
 
-    The model is rebuilt from the config and input shape saved in the checkpoint (or model.json);
-    `model` is the builder to use instead of the saved name (needed when training was given a
-    notebook's function); `devices` go to a builder that places its own layers (default: the CPU).
+    `path` is a run directory, a checkpoint directory, or an export (`raytrain-app export`: its
+    JSON, its weights file, or their directory); local paths or URIs. In a run directory,
+    `checkpoint` picks "best", "latest" or a checkpoint_* name; by default the best where the run
+    scored its checkpoints, else the latest (`rundir.choose`). `model` is the builder to use
+    instead of the saved name (needed when training was given a notebook's function); `devices`
+    go to a builder that places its own layers (default: the CPU).
     """
-    from raytrain_app import checkpoint, export
-    from raytrain_app.models import build_model
+    from raytrain_app import checkpoint as checkpoints, export, rundir
+    from raytrain_app.models.trained import rebuild
 
-    if export.is_export(str(checkpoint_or_run_dir)):
-        return export.load_exported(str(checkpoint_or_run_dir), model)
-    directory = checkpoint.find(str(checkpoint_or_run_dir))
-    saved = checkpoint.load_state(directory)
-    if "input_shape" not in saved:
-        raise UserError(f"{directory} was written by an older raytrain-app that did not record the model's inputs")
-    config = JobConfig.from_dict(saved["config"], source=directory).model
-    built = build_model(config.model_copy(update={"name": model}) if model else config, saved["input_shape"],
-                        saved["num_classes"], devices)
-    built.load_state_dict(saved["model"])
+    if export.is_export(str(path)):
+        return export.load_exported(str(path), model)
+    chosen = rundir.choose(str(path), checkpoint)
+    saved = checkpoints.for_inference(chosen.path)
+    config = JobConfig.from_dict(saved["config"], source=chosen.path).model
+    built = rebuild(config, model, saved["input_shape"], saved["num_classes"], saved["preprocess"], chosen.path,
+                    devices)
+    built.model.load_state_dict(saved["model"])
     return built.eval()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
 import posixpath
 import sys
@@ -29,11 +28,10 @@ from typing import Callable, Optional
 import pyarrow.fs as pafs
 import torch
 
-from raytrain_app import storage
+from raytrain_app import rundir, storage
 from raytrain_app.errors import UserError
+from raytrain_app.rundir import STATE_FILE
 from raytrain_app.state import TrainState
-
-STATE_FILE = "state.pt"
 SHARDS = "shards"  # the DCP directory of a sharded run's weights and optimizer state
 
 # The score a mid-epoch checkpoint reports for `checkpoint.metric`, so that Ray's best-K never
@@ -52,6 +50,8 @@ def save(directory: str, rank: int, state: TrainState, about: dict) -> None:
             _write_checksum(os.path.join(directory, name))
     if rank == 0:
         _write(directory, STATE_FILE, {**state.state_dict(), **about})
+        # Where in training it was taken, readable without torch: which checkpoint is best needs only this.
+        rundir.write_position(directory, state.epoch, state.step, state.batch)
     _write(directory, f"rank{rank}.pt", state.rank_state_dict())
 
 
@@ -116,17 +116,6 @@ def verify(directory: str, rank: int) -> Optional[str]:
     return None
 
 
-def find(path: str) -> str:
-    """`path` when it is a checkpoint, else the newest checkpoint of the run directory `path`
-    (Ray names them by time)."""
-    if storage.exists(storage.join(path, STATE_FILE)):
-        return path
-    names = [name for name in storage.subdirectories(path) if name.startswith("checkpoint_")]
-    if not names:
-        raise UserError(f"no checkpoint in {path}: name a run directory or one of its checkpoint_* directories")
-    return storage.join(path, names[-1])
-
-
 def load_state(checkpoint_dir: str) -> dict:
     """Rank 0's training state from a checkpoint directory (a local path or a URI), with the
     model's full weights under "model", consolidated from the shards of a sharded run."""
@@ -178,51 +167,6 @@ def load_into(directory: str, state: TrainState, rank: int, device: torch.device
     return saved.get("layout", {})
 
 
-def choose(path: str, which: str = "latest") -> str:
-    """The checkpoint directory `which` names in the run directory `path` ("latest", "best" or a
-    checkpoint_* name), or `path` itself when it is a checkpoint and `which` is "latest"."""
-    if not storage.exists(path):
-        raise UserError(f"{path} does not exist: name a run directory or one of its checkpoint_* directories")
-    if which == "latest":
-        return find(path)
-    if storage.exists(storage.join(path, STATE_FILE)):
-        raise UserError(f"--checkpoint {which}: {path} is a checkpoint already; name its run directory instead")
-    names = [name for name in storage.subdirectories(path) if name.startswith("checkpoint_")]
-    if not names:
-        raise UserError(f"no checkpoint in {path}: name a run directory or one of its checkpoint_* directories")
-    if which == "best":
-        return storage.join(path, _best(path, names))
-    if which not in names:
-        raise UserError(f"--checkpoint: {path} has no {which} (latest, best, or one of {', '.join(names)})")
-    return storage.join(path, which)
-
-
-def _best(run_dir: str, names: list[str]) -> str:
-    """The epoch-end checkpoint with the best checkpoint.metric, as `fit` reports it.
-
-    Ray keeps the scores in its own private snapshot; the run's metrics.jsonl has them per epoch,
-    and each checkpoint's state.pt says which epoch it ended. Mid-epoch checkpoints never count,
-    as in training.
-    """
-    from raytrain_app.config import JobConfig
-    from raytrain_app.plan import resolve_auto
-
-    log = storage.join(run_dir, "metrics.jsonl")
-    if not storage.exists(log):
-        raise UserError(f"--checkpoint best: {run_dir} has no metrics.jsonl to rank its checkpoints by")
-    rows = [json.loads(line) for line in storage.read_text(log).splitlines() if line.strip()]
-    by_epoch = {row["epoch"]: row for row in rows if "epoch" in row}
-    states = {name: loop_state(storage.join(run_dir, name)) for name in names}
-    latest = states[names[-1]]
-    rank = resolve_auto(JobConfig.from_dict(latest["config"], source=names[-1])).checkpoint
-    scored = [(by_epoch[s["epoch"]][rank.metric], name) for name, s in states.items()
-              if not s["batch"] and rank.metric in by_epoch.get(s["epoch"], {})]
-    if not scored:
-        raise UserError(f"--checkpoint best: no checkpoint of {run_dir} has a {rank.metric} in its metrics.jsonl")
-    pick = max if rank.mode == "max" else min
-    return pick(scored, key=lambda score_name: score_name[0])[1]
-
-
 def loop_state(directory: str) -> dict:
     """Rank 0's state (memory-mapped where local: ranking checkpoints reads no weights), or a
     one-line reason it is no use: a script's checkpoints hold the script's own files, and a
@@ -239,6 +183,17 @@ def loop_state(directory: str) -> dict:
     if "input_shape" not in saved:
         raise UserError(f"{directory} was written by an older raytrain-app that did not record the model's inputs")
     return saved
+
+
+def for_inference(directory: str, weights: bool = True) -> dict:
+    """Rank 0's state for using the model (with its full weights unless `weights` is False), or a
+    one-line reason it cannot be used on new data: a checkpoint that did not record how its
+    inputs were preprocessed would silently be given the wrong ones."""
+    saved = loop_state(directory)
+    if "preprocess" not in saved:
+        raise UserError(f"{directory} was written by an older raytrain-app that did not record how its inputs were "
+                        "preprocessed; train it again to use it on new data")
+    return with_weights(directory, saved) if weights else saved
 
 
 def _older_than(latest) -> list:

@@ -391,9 +391,10 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
             sys.exit(130)
 
 
-CHECKPOINT = click.option("--checkpoint", "which", default="best", show_default=True, metavar="best|latest|NAME",
-                          help="Which of the run's checkpoints: best by checkpoint.metric, the latest, or a "
-                               "checkpoint_* directory's name.")
+CHECKPOINT = click.option("--checkpoint", "which", metavar="best|latest|NAME",
+                          help="Which of the run's checkpoints: the best by checkpoint.metric (ties: the earliest "
+                               "epoch), the latest, or a checkpoint_* directory's name. Default: best, or latest "
+                               "when no checkpoint has a score; the command names the one it used.")
 ADDRESS = click.option("--address", help="Run on the cluster at this GCS address (as for train); default: the "
                                          "cluster train would use.")
 
@@ -402,31 +403,37 @@ ADDRESS = click.option("--address", help="Run on the cluster at this GCS address
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
 @CHECKPOINT
 @click.option("--data-set", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
-              help="The split to score.")
+              help="The run's split to score.")
+@click.option("--data", "data_file", metavar="FILE", help="Score this labelled Parquet or CSV file instead (path "
+                                                          "or URI), with the columns the run trained on.")
 @click.option("--workers", type=int, help="Workers (default: the run's); the metrics are exact at any number.")
 @ADDRESS
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs.")
-def evaluate(run_dir, which, data_set, workers, address, verbose):
-    """Score a run's checkpoint with the training loop's exact distributed evaluation; the metrics
-    are printed and written to RUN_DIR/evaluations/CHECKPOINT-SPLIT.json.
+def evaluate(run_dir, which, data_set, data_file, workers, address, verbose):
+    """Score a run's checkpoint with the training loop's exact distributed evaluation, on a split
+    of its data or on any labelled file; the metrics are printed and written to
+    RUN_DIR/evaluations/CHECKPOINT-SPLIT.json, for classification with per-class precision,
+    recall, F1 and a confusion matrix (also drawn as a PNG beside it).
 
     \b
     Examples:
       raytrain-app evaluate runs/digits-20261123-101500
       raytrain-app evaluate runs/digits-20261123-101500 --checkpoint latest --data-set train --workers 4
+      raytrain-app evaluate runs/churn-20261123-101500 --data new-customers-with-outcomes.csv
     """
     from raytrain_app import inference
 
     with _command():
-        metrics = inference.evaluate(run_dir, which, data_set, workers, address, verbose, click.echo)
+        metrics = inference.evaluate(run_dir, which, data_set, workers, address, verbose, click.echo, data_file)
         for name, value in metrics.items():
             click.echo(f"{name:<24} {value:.6g}")
 
 
 @main.command()
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
-@click.option("--input", "input_path", required=True, metavar="PARQUET", help="Rows to predict (path or URI), with "
-                                                                           "the feature columns the run trained on.")
+@click.option("--input", "input_path", required=True, metavar="FILE", help="Rows to predict: Parquet or CSV (path "
+                                                                        "or URI) with the columns the run trained "
+                                                                        "on, by name, raw values.")
 @click.option("--output", required=True, metavar="PARQUET", help="Where the predictions go (path or URI).")
 @CHECKPOINT
 @click.option("--workers", type=int, help="Parallel tasks (default: the run's workers).")
@@ -434,12 +441,14 @@ def evaluate(run_dir, which, data_set, workers, address, verbose):
 @ADDRESS
 @click.option("--verbose", is_flag=True, help="Show Ray's own logs.")
 def predict(run_dir, input_path, output, which, workers, batch_size, address, verbose):
-    """Write a run's predictions for a Parquet file, row by row in the input's order: `row` (and
-    the input's `id`), `prediction`, and for classification its `probability`.
+    """Write a run's predictions for a Parquet or CSV file, row by row in the input's order: `row`
+    (and the input's `id`), `prediction`, and for classification its `probability`. The rows hold
+    raw values, as the training data stored them; the model preprocesses them as training did.
 
     \b
     Examples:
       raytrain-app predict runs/digits-20261123-101500 --input new.parquet --output preds.parquet
+      raytrain-app predict runs/churn-20261123-101500 --input new-customers.csv --output preds.parquet
       raytrain-app predict s3://bucket/runs/r1 --input s3://bucket/new.parquet --output s3://bucket/preds.parquet --workers 8
     """
     from raytrain_app import inference
@@ -452,28 +461,31 @@ def predict(run_dir, input_path, output, which, workers, batch_size, address, ve
 
 @main.command()
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
-@click.option("--format", "format_", required=True, type=click.Choice(["safetensors", "pt", "torchscript"]),
-              help="safetensors (needs the [export] extra), a plain state_dict (pt), or a traced TorchScript module.")
+@click.option("--format", "format_", required=True, type=click.Choice(["safetensors", "pt", "torchscript", "onnx"]),
+              help="safetensors (needs the [export] extra) or a plain state_dict (pt), of the model as built; a "
+                   "traced TorchScript module or an ONNX graph (the [onnx] extra), which preprocess raw rows "
+                   "themselves.")
 @click.option("-o", "--output", metavar="FILE", help="The weights file (path or URI; a directory gets the format's "
                                                      "default name). Default: RUN_DIR/export/model.EXT.")
-@click.option("--checkpoint", "which", default="latest", show_default=True, metavar="latest|best|NAME",
-              help="Which of the run's checkpoints.")
+@CHECKPOINT
 def export(run_dir, format_, output, which):
-    """Write a checkpoint's weights, with a model.json (builder, args, input shape,
-    normalisation), for use without raytrain-app; `raytrain_app.load_model(FILE)` reads it back.
+    """Write a checkpoint's weights, with FILE.json beside them (builder, args, input shape, the
+    data's columns and preprocessing), for use without raytrain-app; formats share a folder.
+    `raytrain_app.load_model(FILE)` reads it back.
 
     \b
     Examples:
       raytrain-app export runs/digits-20261123-101500 --format safetensors
-      raytrain-app export runs/digits-20261123-101500 --format torchscript --checkpoint best -o lenet.pt
+      raytrain-app export runs/digits-20261123-101500 --format torchscript --checkpoint latest -o lenet.pt
+      raytrain-app export runs/digits-20261123-101500 --format onnx -o exports/
     """
     from raytrain_app.export import export as export_
 
     with _command():
         done = export_(run_dir, format_, output, which)
-        for note in done.notes:
-            click.echo(f"warning: {note}")
-        click.echo(f"exported {done.checkpoint} to {done.weights} (+ {done.manifest})")
+        click.echo(f"exported {done.chosen.name} ({done.chosen.why}) to {done.weights} (+ {done.manifest})")
+        if done.check:
+            click.echo(f"checked: {done.check}")
 
 
 @main.command()
@@ -721,7 +733,8 @@ class _command:
             click.echo(f"training failed: {error}", err=True)
             sys.exit(EXIT_FAILED)
         if isinstance(error, KeyboardInterrupt):
-            click.echo("interrupted", err=True)
+            how = getattr(error, "how_to_continue", "")
+            click.echo(f"interrupted: {how}" if how else "interrupted", err=True)
             sys.exit(130)
         if isinstance(error, BrokenPipeError):  # the reader left (`| head`): stop quietly, as Unix tools do
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails again

@@ -101,6 +101,9 @@ class TaskConfig(BuilderSection):
                                                            "token_accuracy; a custom step: the names it returns")
     eval_step: Optional[Builder] = Field(None, description='"pkg.module:eval_step" for a custom step\'s evaluation '
                                                            '(default: the step itself, without gradients)')
+    class_weights: Union[None, Literal["auto"], list[Annotated[float, Field(ge=0, allow_inf_nan=False)]]] = Field(
+        None, description="classification: a weight per class in cross_entropy, for imbalanced data (auto: "
+                          "samples / (classes x the class's samples), from the training labels of every rank)")
 
     @field_serializer("eval_step", when_used="json")
     def _named_eval_step(self, value: Optional[Builder]) -> Optional[str]:
@@ -118,8 +121,8 @@ class TaskConfig(BuilderSection):
     @model_validator(mode="after")
     def _fits_the_task(self):
         if self.custom:
-            given = [k for k, default in (("loss", "auto"), ("label_smoothing", 0.0), ("metrics", None))
-                     if getattr(self, k) != default]
+            given = [k for k, default in (("loss", "auto"), ("label_smoothing", 0.0), ("metrics", None),
+                                          ("class_weights", None)) if getattr(self, k) != default]
             if given:
                 raise ValueError(f"{', '.join(given)}: a custom step computes its own loss and metrics")
             return self
@@ -137,6 +140,10 @@ class TaskConfig(BuilderSection):
                 problems.append(f"metrics: {m} is not a {self.name} metric (choose from {', '.join(metrics)})")
         if self.eval_step is not None:
             problems.append("eval_step: is used only with a custom step")
+        if self.class_weights is not None and self.name != "classification":
+            problems.append(f"class_weights: are used only with task classification, not {self.name}")
+        if isinstance(self.class_weights, list) and not any(self.class_weights):
+            problems.append("class_weights: at least one weight must be above 0")
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -168,6 +175,15 @@ class ScheduleConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decays to lr x min_lr_ratio")
 
 
+class EarlyStoppingConfig(Section):
+    metric: str = Field("auto", description="the epoch metric watched (auto: checkpoint.metric)")
+    patience: int = Field(3, ge=1, description="epochs without improvement before every rank stops")
+    min_delta: float = Field(0.0, ge=0, allow_inf_nan=False, description="an improvement is a change beyond this, "
+                                                                         "in the metric's better direction")
+    mode: Literal["auto", "max", "min"] = Field("auto", description="auto: checkpoint.mode for its metric, else by "
+                                                                    "the metric's name")
+
+
 class TrainConfig(Section):
     epochs: int = Field(10, ge=1)
     batch_size: int = Field(64, ge=1, description="per worker; global batch = batch_size x workers x "
@@ -192,6 +208,9 @@ class TrainConfig(Section):
     stop_on_nonfinite: bool = Field(True, description="stop every rank at the first NaN/inf training loss (exit 1), "
                                                       "keeping the last good checkpoint as the latest; false trains "
                                                       "on")
+    early_stopping: Optional[EarlyStoppingConfig] = Field(None, description="stop every rank when a metric has "
+                                                                            "not improved for `patience` epochs "
+                                                                            "(null: train every epoch)")
 
 
 class StrategyConfig(Section):
@@ -365,10 +384,13 @@ class JobConfig(Section):
                          f"{', '.join(SCRIPT_SECTIONS)})" for key in ("seed", "model", "data", "task", "optimizer",
                                                                     "schedule", "train", "strategy", "tracking")
                          if getattr(self, key) != JobConfig.model_fields[key].get_default(call_default_factory=True)]
-        metric, reported = self.checkpoint.metric, self.reported_metrics
-        if reported is not None and metric not in ("auto", *reported):
-            problems.append(f"checkpoint.metric: {metric} is not a metric of this run (choose from "
-                            f"{', '.join(reported)})")
+        reported = self.reported_metrics
+        watched = [("checkpoint.metric", self.checkpoint.metric)]
+        if self.train.early_stopping:
+            watched.append(("train.early_stopping.metric", self.train.early_stopping.metric))
+        for key, metric in watched:
+            if reported is not None and metric not in ("auto", *reported):
+                problems.append(f"{key}: {metric} is not a metric of this run (choose from {', '.join(reported)})")
         if problems:
             raise ValueError("\n".join(problems))
         return self

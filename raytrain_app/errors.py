@@ -32,6 +32,14 @@ class TrainingFailed(Exception):
         super().__init__(one_line(message))
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: how to continue it (`train` prints it after "interrupted")."""
+
+    def __init__(self, how_to_continue: str = ""):
+        self.how_to_continue = how_to_continue
+        super().__init__(how_to_continue)
+
+
 class RankFailed(Exception):
     """A worker's own account of its failure, with the node it ran on (a script's exception says
     nothing of where it ran), for `describe_rank`."""

@@ -1,11 +1,17 @@
-"""A trained model for use without raytrain-app: its weights in a standard format, and `model.json`.
+"""A trained model for use without raytrain-app: its weights in a standard format, and a JSON
+file beside them that says how to use them.
 
 A checkpoint holds everything needed to resume training (optimizer, schedule, RNG streams) in
-raytrain-app's own layout; an export holds only what inference needs. The weights go to one file
-(`safetensors`, a plain `pt` state_dict, or a traced `torchscript` module) and beside it
-`model.json` says how to use them: the builder and its arguments, the input the model takes,
-its output width, and the normalisation the training data had. `load_exported` (and so
-`raytrain_app.load_model`) reads an export back into the model it came from.
+raytrain-app's own layout; an export holds only what inference needs. Each format writes its
+weights file (`safetensors`, a plain `pt` state_dict, a traced `torchscript` module, an `onnx`
+graph) and `WEIGHTS.json` beside it (`model.safetensors.json`), so several formats share a folder:
+the builder and its arguments, the input the file's forward takes, the output width, and the
+preprocessing the training data had (columns, shape, resize, normalisation).
+
+safetensors and pt hold the model as built, whose inputs are preprocessed: the JSON says how.
+TorchScript and ONNX hold the preprocessing too, so they take raw rows as the data stores them.
+`load_exported` (and so `raytrain_app.load_model`) reads an export back into a model that takes
+raw rows.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import posixpath
 import tempfile
@@ -25,119 +32,112 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
-from raytrain_app import storage
-from raytrain_app.checkpoint import choose, loop_state, with_weights
+from raytrain_app import rundir, storage
+from raytrain_app.checkpoint import for_inference
+from raytrain_app.config import ModelConfig
 from raytrain_app.errors import UserError
+from raytrain_app.models.trained import TrainedModel, rebuild
 
-MANIFEST = "model.json"
-# Each format's default file name (RUN_DIR/export/NAME); a weights file named otherwise takes
-# its format from model.json.
-FILE_NAMES = {"safetensors": "model.safetensors", "pt": "model.pt", "torchscript": "model.torchscript.pt"}
-NEEDS_SAFETENSORS = "--format safetensors needs safetensors: pip install 'raytrain-app[export]'"
+# Each format's default file name (RUN_DIR/export/NAME); its JSON is NAME.json.
+FILE_NAMES = {"safetensors": "model.safetensors", "pt": "model.pt", "torchscript": "model.torchscript.pt",
+              "onnx": "model.onnx"}
+NEEDS = {"safetensors": "--format safetensors needs safetensors: pip install 'raytrain-app[export]'",
+         "onnx": "--format onnx needs onnx, onnxscript and onnxruntime: pip install 'raytrain-app[onnx]'"}
+RAW = ("torchscript", "onnx")  # the formats whose file preprocesses raw inputs itself
+ONNX_TOLERANCE = 1e-4  # onnxruntime against torch on the same rows, relative to the outputs' scale
 
 
 @dataclass(frozen=True)
 class Exported:
-    checkpoint: str  # the checkpoint directory exported
+    chosen: rundir.Chosen  # the checkpoint exported, and why that one
     weights: str  # the weights file written (local path or URI)
-    manifest: str  # the model.json beside it
-    notes: tuple[str, ...] = ()  # what the export could not record, for the caller to warn about
+    manifest: str  # its JSON beside it
+    check: str = ""  # what was checked after writing (ONNX: onnxruntime against torch)
+
+
+def manifest_of(weights: str) -> str:
+    return weights + ".json"
 
 
 def export(run_dir_or_checkpoint: str, format: str, output: Optional[str] = None,
-           checkpoint: str = "latest") -> Exported:
-    """Write a checkpoint's weights as `format` (safetensors, pt, torchscript) and model.json beside them.
+           checkpoint: Optional[str] = None) -> Exported:
+    """Write a checkpoint's weights as `format` (safetensors, pt, torchscript, onnx) and WEIGHTS.json
+    beside them.
 
-    `checkpoint` picks from a run directory: "latest" (what `load_model` loads), "best" (by the
-    run's checkpoint.metric), or a checkpoint_* directory's name. `output` is the weights file
-    (default RUN_DIR/export/model.<ext>; an existing directory or one ending in "/" gets that name
-    inside); paths or URIs. Raises UserError for a missing run or checkpoint, an unwritable output,
-    a missing safetensors package, or a model that torch.jit.trace cannot trace.
+    `checkpoint` picks from a run directory: "best", "latest", a checkpoint_* name, or None for
+    the best where the run scored its checkpoints, else the latest (`rundir.choose`). `output` is
+    the weights file (default RUN_DIR/export/model.<ext>; an existing directory or one ending in
+    "/" gets that name inside); paths or URIs. Raises UserError for a missing run or checkpoint,
+    an unwritable output, a missing package, or a model that cannot be traced or exported.
     """
     if format not in FILE_NAMES:
         raise UserError(f"--format: unknown format '{format}' (choose from {', '.join(FILE_NAMES)})")
-    if format == "safetensors":
-        _safetensors()  # before any work: a missing package is the first thing to hear about
-    source = choose(storage.normalize(str(run_dir_or_checkpoint)), checkpoint)
-    saved = with_weights(source, loop_state(source))
-    weights = _weights_path(source, None if output is None else str(output), format)
-    manifest_path = storage.join(_parent(weights), MANIFEST)
-    storage.check_writable(_parent(weights))  # before tracing or reading data, not after
-    manifest, notes = _describe(saved, source, format, _basename(weights))
+    _needs(format)  # before any work: a missing package is the first thing to hear about
+    chosen = rundir.choose(str(run_dir_or_checkpoint), checkpoint)
+    saved = for_inference(chosen.path)
+    weights = _weights_path(chosen.path, None if output is None else str(output), format)
+    storage.check_writable(storage.parent(weights))  # before tracing, not after
+    manifest = _describe(saved, chosen.path, format, posixpath.basename(weights))
+    model = _trained(manifest, None)
+    model.model.load_state_dict(saved["model"])
     try:
         with _staged(weights) as local:
-            WRITERS[format](saved, manifest, local)
-        storage.write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
+            check = WRITERS[format](model.eval(), manifest, local)
+        storage.write_text(manifest_of(weights), json.dumps(manifest, indent=1) + "\n")
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"cannot write {weights}: {storage.explain(e)}") from None
-    return Exported(source, weights, manifest_path, notes)
+    return Exported(chosen, weights, manifest_of(weights), check or "")
 
 
 def _weights_path(source: str, output: Optional[str], format: str) -> str:
     """Where the weights go: RUN_DIR/export/ by default (Ray keeps checkpoints directly in the run
     directory), or `output`, with the format's default name inside when it is a directory."""
     if output is None:
-        return storage.join(_parent(source), "export", FILE_NAMES[format])
+        return storage.join(storage.parent(source), "export", FILE_NAMES[format])
     into_folder = output.endswith("/") or ("://" not in output and os.path.isdir(os.path.expanduser(output)))
     output = storage.normalize(output)
     if into_folder:
         output = storage.join(output, FILE_NAMES[format])
-    if _basename(output) == MANIFEST:
-        raise UserError(f"-o {output}: {MANIFEST} is the name of the file written beside the weights")
+    if output.endswith(".json"):
+        raise UserError(f"-o {output}: name the weights file; its .json is written beside it")
     return output
 
 
-def _describe(saved: dict, source: str, format: str, weights_name: str) -> tuple[dict, tuple[str, ...]]:
-    """model.json's content for a checkpoint's saved state, and what it could not record."""
+def _describe(saved: dict, source: str, format: str, weights_name: str) -> dict:
+    """The JSON for a checkpoint's saved state: what a user without raytrain-app needs."""
     config = saved["config"]
     task = config["task"]["name"]
-    normalization, notes = _normalization(config)
+    recipe = saved["preprocess"]
+    raw = format in RAW
     return {
         "format": format,
         "weights": weights_name,
         "model": {"name": config["model"]["name"], "args": config["model"]["args"]},
         "task": task,
-        "input_shape": list(saved["input_shape"]),  # the dataset's sample shape, which the builder is given
+        "input_shape": list(saved["input_shape"]),  # what the built model takes, which its builder is given
         "num_classes": saved["num_classes"],  # the output width: classes, targets, or vocabulary
-        "example_input": _example_spec(task, saved["input_shape"]),
-        "normalization": normalization,
+        # What this file's forward takes, as a batch of one: where it preprocesses them, raw rows
+        # flat, as a table holds them (TorchScript also takes them shaped as `preprocessing.shape`).
+        "example_input": _example_spec(task, [math.prod(recipe["shape"])] if raw and recipe else saved["input_shape"]),
+        "includes_preprocessing": raw,
+        # Applied to raw rows as (resize(x.reshape(-1, *shape)) - mean) / std, mean and std shaped
+        # stats_shape; `features` are the table's columns, in order.
+        "preprocessing": recipe,
         "data": {"name": config["data"]["name"], "args": config["data"]["args"]},
         "checkpoint": source,
         "epoch": saved["epoch"],
         "torch_version": torch.__version__,
         "raytrain_app_version": _version(),
-    }, notes
+    }
 
 
-def _example_spec(task: str, input_shape) -> dict:
-    """What the model's forward takes, as a batch of one: a language model reads T token ids of
-    its (T + 1)-token samples; every other built-in task reads the sample as float32."""
+def _example_spec(task: str, shape) -> dict:
+    """What the forward takes, as a batch of one: a language model reads T token ids of its
+    (T + 1)-token samples; every other built-in task reads numbers (any numeric type where the
+    file preprocesses them; float32 for the model as built)."""
     if task == "language_model":
-        return {"shape": [1, input_shape[0] - 1], "dtype": "int64"}
-    return {"shape": [1, *input_shape], "dtype": "float32"}
-
-
-def _normalization(config: dict) -> tuple[Optional[dict], tuple[str, ...]]:
-    """The per-channel (or per-feature) mean and std the training data was normalised with.
-
-    Checkpoints do not hold them, so they are computed again as the data module computes them:
-    the run's datasets are built from the saved config (same files, same split seed), and the
-    in-memory datasets carry the training split's statistics. Inputs are normalised as
-    (x - mean.reshape(shape)) / std.reshape(shape), on the values as stored (0-255 pixels, a
-    file's numbers), after any resize. None where the data is not normalised (token ids), or
-    where it cannot be built here (then a note says why).
-    """
-    from raytrain_app.config import JobConfig
-    from raytrain_app.data import normalization
-
-    try:
-        stats = normalization(JobConfig.from_dict(config).data)
-    except UserError as e:
-        return None, (f"normalisation not recorded: the training data cannot be built here ({e.lines[0]})",)
-    if stats is None:
-        return None, ()
-    mean, std = stats
-    return {"mean": mean.flatten().tolist(), "std": std.flatten().tolist(), "shape": list(mean.shape)}, ()
+        return {"shape": [1, shape[0] - 1], "dtype": "int64"}
+    return {"shape": [1, *shape], "dtype": "float32"}
 
 
 def _version() -> str:
@@ -147,55 +147,111 @@ def _version() -> str:
         return "unknown"
 
 
-def _save_safetensors(saved: dict, manifest: dict, path: str) -> None:
+def _save_safetensors(model: TrainedModel, manifest: dict, path: str) -> None:
     """Every tensor its own contiguous copy: safetensors refuses tensors that share memory (the
     GPT's tied embedding and head), and a plain `load_state_dict` then finds every key."""
-    tensors = {name: t.clone(memory_format=torch.contiguous_format) for name, t in saved["model"].items()}
-    _safetensors().save_file(tensors, path, metadata={"format": "pt"})
+    tensors = {name: t.clone(memory_format=torch.contiguous_format) for name, t in model.model.state_dict().items()}
+    _needs("safetensors").save_file(tensors, path, metadata={"format": "pt"})
 
 
-def _save_pt(saved: dict, manifest: dict, path: str) -> None:
-    torch.save(saved["model"], path)
+def _save_pt(model: TrainedModel, manifest: dict, path: str) -> None:
+    torch.save(model.model.state_dict(), path)
 
 
-def _save_torchscript(saved: dict, manifest: dict, path: str) -> None:
-    """torch.jit.trace in eval mode on a zero batch of one (example_input): a traced module runs
-    without Python source, but only along the path that input took."""
-    model = _rebuild(manifest, saved["model"], None)
+def _example(manifest: dict, batch: int = 1) -> torch.Tensor:
     spec = manifest["example_input"]
-    example = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+    return torch.zeros([batch, *spec["shape"][1:]], dtype=getattr(torch, spec["dtype"]))
+
+
+def _save_torchscript(model: TrainedModel, manifest: dict, path: str) -> None:
+    """torch.jit.trace in eval mode on a zero batch of one: a traced module runs without Python
+    source, but only along the path that input took."""
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # trace's deprecation notice and its warnings about Python branches
-            traced = torch.jit.trace(model, example)
+            traced = torch.jit.trace(model, _example(manifest))
     except Exception as e:  # whatever the model does that tracing cannot follow
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"--format torchscript: torch.jit.trace could not trace the model: {type(e).__name__}: "
-                        f"{detail}; export safetensors or pt instead") from None
+        raise UserError(f"--format torchscript: torch.jit.trace could not trace the model: {_first(e)}; "
+                        "export safetensors or pt instead") from None
     with _jit_deprecation_ignored():
         torch.jit.save(traced, path)
+
+
+def _save_onnx(model: TrainedModel, manifest: dict, path: str) -> str:
+    """torch.onnx.export (torch.export underneath) with a dynamic batch, in one file; then
+    onnxruntime runs it on the same rows as torch, and a difference beyond float error refuses it."""
+    import numpy as np
+    import onnxruntime
+
+    example = _example(manifest, batch=2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(model, (example,), dynamo=True, external_data=False, verbose=False,
+                                        dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
+                                        input_names=["x"], output_names=["output"])
+    except Exception as e:  # whatever torch.export cannot follow
+        raise UserError(f"--format onnx: torch.onnx.export could not export the model: {_first(e)}; "
+                        "export safetensors, pt or torchscript instead") from None
+    data = program.model_proto.SerializeToString()
+    rows = _probe(model, manifest)
+    with torch.no_grad():
+        expected = model(rows).float().numpy()
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    got = session.run(None, {"x": rows.numpy()})[0]
+    worst = float(np.abs(got - expected).max()) / max(1.0, float(np.abs(expected).max()))
+    if worst > ONNX_TOLERANCE:
+        raise UserError(f"--format onnx: onnxruntime's outputs differ from torch's by {worst:.2g} (relative) on "
+                        f"the same rows; export torchscript instead")
+    with open(path, "wb") as f:
+        f.write(data)
+    return f"onnxruntime gives torch's outputs within {worst:.1g} on {len(rows)} rows"
+
+
+def _probe(model: TrainedModel, manifest: dict) -> torch.Tensor:
+    """A few raw rows around the training data's statistics (token ids for a language model)."""
+    spec, recipe = manifest["example_input"], manifest["preprocessing"]
+    generator = torch.Generator().manual_seed(0)
+    if spec["dtype"] == "int64":
+        return torch.randint(0, manifest["num_classes"], (5, *spec["shape"][1:]), generator=generator)
+    rows = torch.randn((5, *spec["shape"][1:]), generator=generator)
+    if recipe and not recipe["resize"]:  # on the scale of the data: statistics per value or per channel
+        rows = (rows.reshape(5, *recipe["shape"]) * model.preprocess.std + model.preprocess.mean).reshape(rows.shape)
+    return rows
+
+
+def _first(e: BaseException) -> str:
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {detail}"
 
 
 @contextlib.contextmanager
 def _jit_deprecation_ignored():
     """torch.jit warns on every call that it is deprecated; TorchScript is still what a C++ or
-    mobile runtime loads, and the one format here that needs no model code."""
+    mobile runtime loads, and one of the formats here that need no model code."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.jit\.\w+` is deprecated", category=FutureWarning)
         yield
 
 
-WRITERS: dict[str, Callable[[dict, dict, str], None]] = {
-    "safetensors": _save_safetensors, "pt": _save_pt, "torchscript": _save_torchscript}
+WRITERS: dict[str, Callable[[TrainedModel, dict, str], Optional[str]]] = {
+    "safetensors": _save_safetensors, "pt": _save_pt, "torchscript": _save_torchscript, "onnx": _save_onnx}
 
 
-def _safetensors():
-    """safetensors.torch, an optional dependency (the `export` extra)."""
+def _needs(format: str):
+    """The optional package a format writes or reads with (the `export` and `onnx` extras)."""
     try:
-        import safetensors.torch
+        if format == "safetensors":
+            import safetensors.torch
+
+            return safetensors.torch
+        if format == "onnx":
+            import onnx  # noqa: F401 - torch.onnx's exporter needs onnx and onnxscript
+            import onnxruntime  # noqa: F401
+            import onnxscript  # noqa: F401
     except ImportError:
-        raise UserError(NEEDS_SAFETENSORS) from None
-    return safetensors.torch
+        raise UserError(NEEDS[format]) from None
+    return None
 
 
 @contextlib.contextmanager
@@ -204,7 +260,7 @@ def _staged(path: str):
     sees half a file), uploaded whole to a URI."""
     if "://" in path:
         with tempfile.TemporaryDirectory() as folder:
-            local = os.path.join(folder, _basename(path))
+            local = os.path.join(folder, posixpath.basename(path))
             yield local
             storage.upload(local, path)
         return
@@ -220,63 +276,72 @@ def _staged(path: str):
 # ---- reading an export back ----------------------------------------------------------------
 
 def is_export(path: str) -> bool:
-    """Whether `path` names an export (a model.json, a weights file, or a directory holding
-    model.json) rather than a checkpoint or run directory."""
-    return path.endswith(".json") or _is_file(path) or storage.exists(storage.join(path, MANIFEST))
+    """Whether `path` names an export (a weights file or its JSON, or a directory holding them)
+    rather than a checkpoint or run directory."""
+    return path.endswith(".json") or _is_file(path) or bool(_exports_in(path))
 
 
-def load_exported(path: str, model: Optional[Callable] = None) -> torch.nn.Module:
-    """The exported model, weights loaded and in eval mode, rebuilt from model.json; `path` is the
-    model.json, the weights file, or their directory (local paths or URIs). `model` replaces the
-    builder model.json names, as `load_model`'s does."""
-    manifest_path, weights = _locate(str(path))
+def load_exported(path: str, model: Optional[Callable] = None) -> TrainedModel:
+    """The exported model, weights loaded and in eval mode, taking raw rows; `path` is a weights
+    file, its JSON, or a directory holding one export (local paths or URIs). `model` replaces the
+    builder the JSON names, as `load_model`'s does."""
+    manifest_path = _locate(str(path))
     try:
         manifest = json.loads(storage.read_text(manifest_path))
     except (OSError, pa.ArrowException, ValueError) as e:
         raise UserError(f"cannot read {manifest_path}: {storage.explain(e)}") from None
-    if weights is None:
-        weights = storage.join(_parent(manifest_path), manifest["weights"])
-    format = manifest["format"] if _basename(weights) == manifest["weights"] else _format_of(weights, manifest_path)
+    weights = manifest_path.removesuffix(".json")
+    if manifest["format"] == "onnx":
+        raise UserError(f"{weights} is an ONNX graph: run it with onnxruntime.InferenceSession({weights!r}) (it "
+                        f"takes raw rows as 'x'), or load a safetensors, pt or torchscript export")
     try:
         data = storage.read_bytes(weights)
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"cannot read {weights}: {storage.explain(e)}") from None
-    return _rebuild(manifest, READERS[format](data), model)
-
-
-def _locate(path: str) -> tuple[str, Optional[str]]:
-    """model.json's path, and the weights file when `path` named one."""
-    if path.endswith(".json"):
-        return path, None
-    if not _is_file(path):
-        return storage.join(path, MANIFEST), None
-    manifest = storage.join(_parent(path), MANIFEST)
-    if not storage.exists(manifest):
-        raise UserError(f"{path}: no {MANIFEST} beside it (export writes one with the weights; it says how to "
-                        f"rebuild the model)")
-    return manifest, path
-
-
-def _format_of(weights: str, manifest_path: str) -> str:
-    """A weights file that model.json does not name (another format exported into the same
-    directory) is read by its default name."""
-    for format, name in FILE_NAMES.items():
-        if _basename(weights) == name:
-            return format
-    raise UserError(f"{weights}: {manifest_path} describes another file; export it again with its own -o directory")
-
-
-def _rebuild(manifest: dict, state_dict: dict, model: Optional[Callable]) -> torch.nn.Module:
-    from raytrain_app.config import ModelConfig
-    from raytrain_app.models import build_model
-
-    config = ModelConfig(name=model or manifest["model"]["name"], args=manifest["model"]["args"])
-    built = build_model(config, manifest["input_shape"], manifest["num_classes"])
+    built = _trained(manifest, model, weights)
     try:
-        built.load_state_dict(state_dict)
-    except RuntimeError as e:  # weights of another model (another run exported into the same directory)
-        raise UserError(f"the weights do not fit the model model.json describes: {str(e).splitlines()[0]}") from None
+        if manifest["format"] == "torchscript":  # the traced TrainedModel: preprocessing and model
+            built.load_state_dict(_read_torchscript(data))
+        else:
+            built.model.load_state_dict(READERS[manifest["format"]](data))
+    except RuntimeError as e:  # weights of another model
+        raise UserError(f"the weights in {weights} do not fit the model {manifest_path} describes: "
+                        f"{str(e).splitlines()[0]}") from None
     return built.eval()
+
+
+def _locate(path: str) -> str:
+    """The JSON of the export `path` names."""
+    if path.endswith(".json"):
+        return path
+    if _is_file(path):
+        if not storage.exists(manifest_of(path)):
+            raise UserError(f"{path}: no {posixpath.basename(manifest_of(path))} beside it (export writes one with the "
+                            "weights; it says how to rebuild the model)")
+        return manifest_of(path)
+    found = _exports_in(path)
+    if not found:
+        raise UserError(f"no export in {path}: name a weights file that `raytrain-app export` wrote")
+    if len(found) > 1:
+        raise UserError(f"{path} holds {len(found)} exports ({', '.join(found)}): name one's weights file")
+    return storage.join(path, found[0] + ".json")
+
+
+def _exports_in(path: str) -> list[str]:
+    """The weights files in directory `path` that have their JSON beside them."""
+    fs, inner = storage.filesystem_for(path)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    except (OSError, pa.ArrowException):
+        return []
+    files = {info.base_name for info in infos if info.type == pafs.FileType.File}
+    return sorted(name for name in files if name + ".json" in files)
+
+
+def _trained(manifest: dict, model: Optional[Callable], source: str = "") -> TrainedModel:
+    config = ModelConfig(name=manifest["model"]["name"], args=manifest["model"]["args"])
+    return rebuild(config, model, manifest["input_shape"], manifest["num_classes"], manifest["preprocessing"],
+                   source or manifest["checkpoint"])
 
 
 def _read_torchscript(data: bytes) -> dict:
@@ -285,9 +350,8 @@ def _read_torchscript(data: bytes) -> dict:
 
 
 READERS: dict[str, Callable[[bytes], dict]] = {
-    "safetensors": lambda data: _safetensors().load(data),
+    "safetensors": lambda data: _needs("safetensors").load(data),
     "pt": lambda data: torch.load(io.BytesIO(data), map_location="cpu", weights_only=True),
-    "torchscript": _read_torchscript,
 }
 
 
@@ -297,11 +361,3 @@ def _is_file(path: str) -> bool:
         return fs.get_file_info(inner).type == pafs.FileType.File
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"cannot read {path}: {storage.explain(e)}") from None
-
-
-def _parent(path: str) -> str:
-    return posixpath.dirname(path.rstrip("/")) if "://" in path else os.path.dirname(os.path.abspath(path))
-
-
-def _basename(path: str) -> str:
-    return posixpath.basename(path.rstrip("/"))

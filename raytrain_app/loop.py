@@ -32,7 +32,10 @@ from torch import nn
 from raytrain_app import checkpoint
 from raytrain_app.console import startup_phases
 from raytrain_app.config import JobConfig, TaskConfig
-from raytrain_app.data import build_datasets, eval_loader, keep_on_device, loader_workers, to_device, train_loader
+from raytrain_app.data import (build_datasets, class_count, eval_loader, keep_on_device, label_counts, loader_workers,
+                               to_device, train_loader)
+from raytrain_app.data.preprocess import recipe
+from raytrain_app.early_stopping import EarlyStopping
 from raytrain_app.metrics import EpochMetrics, Sums, Totals, global_max
 from raytrain_app.models import build_model, places_itself
 from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
@@ -40,7 +43,7 @@ from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.reporter import Reporter
 from raytrain_app.state import TrainState
 from raytrain_app.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
-from raytrain_app.tasks import Classification, Task, build_task, model_outputs
+from raytrain_app.tasks import Classification, Task, build_task, class_weights, model_outputs
 from raytrain_app.tracking import Trackers
 
 
@@ -87,8 +90,16 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
     # 1-worker run starts from the same ones), then each rank its own for dropout and augmentation.
     seed_everything(job.seed)
     data = build_datasets(job.data)
+    preprocess = recipe(data.train)  # what a user of the trained model must do to raw inputs
     task = build_task(job.task)
-    outputs = model_outputs(task, data.train, data.num_classes)
+    classification = isinstance(task, Classification)
+    outputs = model_outputs(task, data.train, class_count(data, rank, world_size, device) if classification
+                            else data.num_classes)
+    if classification and job.task.class_weights is not None:
+        task.weight = class_weights(job.task.class_weights, label_counts(data, outputs, rank, world_size, device))
+        report.info("class weights: %s", task.weight.tolist())
+        report.say(f"class weights ({'auto' if job.task.class_weights == 'auto' else 'given'}): "
+                   f"{task.weight.min():.3g} to {task.weight.max():.3g} over {outputs} classes")
     model = build_model(job.model, data.input_shape, outputs, ray.train.torch.get_devices())
     parallel = parallelize(model, job, world_size, node, device, report.warn, placed=places_itself(job.model))
     seed_everything(job.seed + rank)
@@ -109,16 +120,20 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
     precision = Precision(tc.precision, device)
     steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
     state = TrainState(parallel.model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
-                       precision.scaler, sharded=parallel.mesh is not None)
+                       precision.scaler, sharded=parallel.mesh is not None,
+                       early_stopping=EarlyStopping(tc.early_stopping) if tc.early_stopping else None)
     step = Step(parallel.train_model, precision, tc.grad_accum_steps, tc.grad_clip, device, parallel.memory_format,
                 parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite), task)
     epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
-    # What each checkpoint holds besides the state: the config, what the model was built for
-    # (`raytrain_app.load_model` rebuilds it from these), and the layout it was trained under,
-    # with a streamed dataset's row groups, which its position within an epoch refers to.
+    # What each checkpoint holds besides the state: the config, what the model was built for and
+    # how raw inputs become its inputs (`raytrain_app.load_model` rebuilds it from these), and the
+    # layout it was trained under, with a streamed dataset's row groups, which its position within
+    # an epoch refers to.
     layout = {"world_size": world_size, "strategy": job.strategy.name if parallel.mesh else "ddp",
               "mesh": list(parallel.mesh or ()), "data": getattr(data.train, "fingerprint", None)}
-    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs, "layout": layout}
+    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs,
+             "preprocess": preprocess, "layout": layout,
+             "class_weights": task.weight.tolist() if classification and task.weight is not None else None}
     if ray.train.get_checkpoint():
         restored, saved_layout = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device,
                                                                 run_dir, report.warn)
@@ -143,11 +158,17 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
             state.finish_epoch()
             metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
                                         optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated)
-            save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs
+            # The same decision on every rank: it reads all-reduced metrics.
+            stop = state.early_stopping.update(metrics) if state.early_stopping else None
+            save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
             report_to_ray(metrics, state, rank, about if save else None)
             report.epoch(metrics)
             trackers.epoch(metrics)
+            if stop:
+                report.stopped_early({"epoch": state.epoch, "reason": stop})
             report.sync()
+            if stop:
+                break
     except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
         report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
     finally:
@@ -235,10 +256,15 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
     return totals
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, loader, step: Step) -> dict[str, float]:
     """The task's metrics over every rank's unpadded eval shard: each rank sums over its own,
-    the sums are all-reduced, and only then divided.
+    the sums are all-reduced, and only then divided."""
+    return step.task.metrics(evaluation_sums(model, loader, step))
+
+
+@torch.no_grad()
+def evaluation_sums(model: nn.Module, loader, step: Step) -> dict[str, torch.Tensor]:
+    """The task's sums over every rank's unpadded eval shard, all-reduced.
 
     Takes the bare model, not the DDP wrapper: evaluation needs no gradient sync, and ranks may
     hold one batch more or less than each other. A sharded model gathers its parameters from
@@ -258,7 +284,7 @@ def evaluate(model: nn.Module, loader, step: Step) -> dict[str, float]:
         with step.precision.autocast():
             step.task.eval_sums(model, first)
     model.train()
-    return step.task.metrics(sums.all_reduce())
+    return sums.all_reduce()
 
 
 class AfterStep:

@@ -71,11 +71,30 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bo
     storage.check_writable(run_dir)
     if not config.script:
         tracking.check(config.tracking, run_dir)
+        config = absolute_paths(config)
     warnings = ()
     if config.strategy.sharded and config.scaling.workers == 1:
         warnings = (f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
                     "unsharded",)
     return RunPlan(config, run_dir, resume, warnings)
+
+
+# The arguments of built-in datasets that name files; relative ones are relative to the launch directory.
+DATA_PATHS = {"parquet": ("path", "eval_path"), "mnist": ("root",), "fashion_mnist": ("root",), "cifar10": ("root",),
+              "text": ("path",)}
+
+
+def absolute_paths(config: JobConfig) -> JobConfig:
+    """The built-in datasets' local paths made absolute (URIs as they are), once, where the run
+    launches: its config then means the same files to every later command, from any directory
+    (`evaluate`, `--resume` of a copied config, a worker elsewhere). Checks ran on the paths as
+    written, so their messages show them so."""
+    args = dict(config.data.args)
+    for key in DATA_PATHS.get(config.data.name if isinstance(config.data.name, str) else "", ()):
+        value = args.get(key)
+        if isinstance(value, str) and "://" not in value and not (key == "path" and value == "stdlib"):
+            args[key] = os.path.abspath(os.path.expanduser(value))
+    return updated(config, {"data": {"args": args}}) if args != config.data.args else config
 
 
 def resolve_auto(config: JobConfig) -> JobConfig:
@@ -100,6 +119,13 @@ def resolve_auto(config: JobConfig) -> JobConfig:
     if config.checkpoint.mode == "auto":
         metric = ckpt.get("metric", config.checkpoint.metric)
         ckpt["mode"] = metric_mode(metric)
+    early = config.train.early_stopping
+    if early and "auto" in (early.metric, early.mode):
+        metric = ckpt.get("metric", config.checkpoint.metric) if early.metric == "auto" else early.metric
+        same = metric == ckpt.get("metric", config.checkpoint.metric)
+        mode = early.mode if early.mode != "auto" else ckpt.get("mode", config.checkpoint.mode) if same else \
+            metric_mode(metric)
+        train["early_stopping"] = {"metric": metric, "mode": mode}
     strategy = {}
     if config.strategy.mixed_precision == "auto":
         strategy["mixed_precision"] = "bf16" if train.get("precision", config.train.precision) == "bf16" else "off"
@@ -113,11 +139,11 @@ def check_data_and_model(config: JobConfig) -> None:
     batch, and checkpoint.metric is a metric the run reports."""
     import torch
 
-    from raytrain_app.data import build_datasets, keep_on_device
+    from raytrain_app.data import build_datasets, class_count, keep_on_device
     from raytrain_app.memory import check_state_fits
     from raytrain_app.models import build_model, places_itself
     from raytrain_app.strategy import shard_units
-    from raytrain_app.tasks import CustomStep, build_task, custom_metric_names, model_outputs
+    from raytrain_app.tasks import Classification, CustomStep, build_task, custom_metric_names, model_outputs
 
     if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.workers > 1:
         raise UserError("train.sync_batchnorm needs GPU workers: PyTorch's SyncBatchNorm does not run on CPU")
@@ -135,7 +161,12 @@ def check_data_and_model(config: JobConfig) -> None:
                         f"({len(data.train)} training samples over {workers} workers = {shard})")
     if len(data.eval) < workers:  # a rank without eval samples would have no sums to all-reduce
         raise UserError(f"the eval set ({len(data.eval)} samples) is smaller than the number of workers ({workers})")
-    model = build_model(config.model, data.input_shape, model_outputs(task, data.train, data.num_classes))
+    classification = isinstance(task, Classification)
+    outputs = model_outputs(task, data.train, class_count(data) if classification else data.num_classes)
+    weights = config.task.class_weights
+    if classification and isinstance(weights, list) and len(weights) != outputs:
+        raise UserError(f"task.class_weights: {len(weights)} weights for {outputs} classes")
+    model = build_model(config.model, data.input_shape, outputs)
     check_state_fits(model, config)
     if config.strategy.sharded:
         if places_itself(config.model):

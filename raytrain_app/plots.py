@@ -42,8 +42,12 @@ class Run:
 
 def write(run_dirs: list[str], output: str) -> str:
     """Save `figure(run_dirs)` as a PNG at `output` (a local path or URI); returns where it is."""
+    return _save(figure(run_dirs), output)
+
+
+def _save(fig: Figure, output: str) -> str:
     buffer = io.BytesIO()
-    figure(run_dirs).savefig(buffer, format="png")
+    fig.savefig(buffer, format="png")
     try:
         storage.write_bytes(output, buffer.getvalue())
     except (OSError, pa.ArrowException) as e:
@@ -73,6 +77,29 @@ def figure(run_dirs: list[str]) -> Figure:
     if left_out:
         fig.text(0.005, 0.005, f"not drawn: {', '.join(left_out)}", fontsize="small", color="gray")
     return fig
+
+
+def confusion(matrix: list[list[int]], title: str, output: str) -> str:
+    """The confusion matrix of an evaluation as a PNG at `output` (rows: true class, columns:
+    predicted; each cell's count written in it, up to 30 classes); returns where it is."""
+    Figure, FigureCanvasAgg = _matplotlib()
+    classes = len(matrix)
+    side = min(12.0, 2.5 + 0.45 * classes)
+    fig = Figure(figsize=(side, side), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(matrix, cmap="Blues")
+    fig.colorbar(image, ax=ax, shrink=0.8)
+    ax.set(title=title, xlabel="predicted class", ylabel="true class")
+    if classes <= 30:
+        ax.set_xticks(range(classes))
+        ax.set_yticks(range(classes))
+        peak = max(max(row) for row in matrix) or 1
+        for t, row in enumerate(matrix):
+            for p, count in enumerate(row):
+                ax.text(p, t, str(count), ha="center", va="center", fontsize="small",
+                        color="white" if count > peak / 2 else "black")
+    return _save(fig, output)
 
 
 def _matplotlib():

@@ -19,8 +19,9 @@ class Result:
     best_checkpoint: Optional[str]  # by checkpoint.metric
     best_metrics: Optional[dict]  # that checkpoint's row
     final_checkpoint: Optional[str]
-    wall_s: float
+    wall_s: float  # the command's, from its start
     report: Optional[str] = None  # report.png, the run's curves
+    stopped_early: Optional[str] = None  # why train.early_stopping ended it before train.epochs
 
 
 def summary(result: Result) -> str:
@@ -40,7 +41,8 @@ def summary(result: Result) -> str:
     rows = [
         ("run", result.run_dir),
         ("workers", f"{c.scaling.workers} x {c.scaling.backend}, {c.train.precision}"),
-        ("epochs", str(last.get("epoch", 0))),
+        ("epochs", f"{last.get('epoch', 0)} of {c.train.epochs}"),
+        *((("stopped early", result.stopped_early.split(": ", 1)[1]),) if result.stopped_early else ()),
         ("final train_loss", f"{last.get('train_loss', float('nan')):.4f}"),
         ("final eval_loss", f"{last.get('eval_loss', float('nan')):.4f}"),
         *((f"final {name}", text.strip()) for name, text in eval_metrics(last)),

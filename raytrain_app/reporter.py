@@ -76,6 +76,10 @@ class Reporter:
         self.log.error("stopped: the training loss was not finite at %s", where)
         self._send("nonfinite", where)
 
+    def stopped_early(self, where: dict) -> None:
+        self.log.info("stopping early after epoch %d: %s", where["epoch"], where["reason"])
+        self._send("stopped_early", where)
+
     def failed(self) -> None:
         """Called from an exception handler: the traceback goes to the log, and the log to storage."""
         self.log.exception("rank %d failed", self.rank)

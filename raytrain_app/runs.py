@@ -1,5 +1,5 @@
 """`raytrain-app runs`: which of the runs under a directory are worth resuming or comparing,
-without opening their files.
+without loading their weights.
 
 A run's files say what happened only in pieces: metrics.jsonl how far it got, config.yaml how far
 it was meant to go and which metric ranks it, the checkpoint snapshot whether `--resume` has
@@ -10,7 +10,6 @@ that it ended: run.json still says "running", so whether it is running is asked 
 from __future__ import annotations
 
 import json
-import math
 import re
 import socket
 import time
@@ -18,10 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import psutil
-import yaml
 
-from raytrain_app import storage
-from raytrain_app.configfile import loads
+from raytrain_app import rundir, storage
 from raytrain_app.errors import UserError
 from raytrain_app.plan import CHECKPOINT_SNAPSHOT
 
@@ -57,11 +54,11 @@ def find_runs(directory: str = "runs") -> list[RunInfo]:
 def _read_run(base: str, name: str) -> Optional[RunInfo]:
     """One run directory's summary, or None when it holds no run (no config.yaml that parses)."""
     path = storage.join(base, name)
-    config = _read_config(storage.join(path, "config.yaml"))
+    config = rundir.read_config(path)
     if config is None:
         return None
     record = _read_json(storage.join(path, "run.json"))
-    rows = read_rows(storage.join(path, "metrics.jsonl"))
+    rows = rundir.read_metrics(path)
     script = bool(config.get("script"))
     epochs = None if script else config.get("train", {}).get("epochs")
     epochs_done = max((row["epoch"] for row in rows if "epoch" in row), default=len(rows) if script else 0)
@@ -69,7 +66,7 @@ def _read_run(base: str, name: str) -> Optional[RunInfo]:
     return RunInfo(
         path=path, name=name, started=record.get("started", _started_from_name(name)),
         epochs_done=epochs_done, epochs=epochs,
-        best="-" if script else _best(rows, config.get("checkpoint", {})),
+        best="-" if script else _best(path, rows),
         status=_status(record, epochs_done, epochs, snapshot),
     )
 
@@ -90,8 +87,8 @@ def _status(record: dict, epochs_done: int, epochs: Optional[int], snapshot: boo
     on HOST", unchecked); else resumable with a checkpoint and epochs to go, failed or interrupted
     without. A run from before run.json finished if it did all its epochs; a script's says nothing."""
     recorded = record.get("status")
-    if recorded == "finished":
-        return "finished"
+    if recorded in ("finished", "stopped early"):  # stopped early: by train.early_stopping or a sweep's scheduler
+        return recorded
     if recorded == "running":
         if record.get("host") != socket.gethostname():
             return f"running on {record.get('host')}"  # another machine's process: not ours to ask
@@ -117,38 +114,15 @@ def _alive(pid: Optional[int], written: float) -> bool:
         return False
 
 
-def _best(rows: list[dict], checkpoint: dict) -> str:
-    """The best epoch by the metric that ranks checkpoints (as config.yaml resolved it)."""
-    metric = checkpoint.get("metric")
-    best = best_row(rows, metric, checkpoint.get("mode"))
-    return f"{metric} {best[metric]:.4f} (epoch {best['epoch']})" if best else "-"
-
-
-def best_row(rows: list[dict], metric: str, mode: str) -> Optional[dict]:
-    """The epoch row with the best finite `metric`, or None."""
-    scored = [row for row in rows if "epoch" in row and isinstance(row.get(metric), (int, float))
-              and math.isfinite(row[metric])]
-    return (max if mode == "max" else min)(scored, key=lambda row: row[metric]) if scored else None
-
-
-def _read_config(path: str) -> Optional[dict]:
-    if not storage.exists(path):
-        return None
-    try:
-        config = loads(storage.read_text(path))
-    except yaml.YAMLError:
-        return None
-    return config if isinstance(config, dict) else None
+def _best(path: str, rows: list[dict]) -> str:
+    """The best checkpoint's score and epoch, as every command picks it (`rundir.best`)."""
+    found, row = rundir.best(path, rows=rows)
+    metric, _ = rundir.ranking(rundir.read_config(path))
+    return f"{metric} {row[metric]:.4f} (epoch {row['epoch']})" if found else "-"
 
 
 def _read_json(path: str) -> dict:
     return json.loads(storage.read_text(path)) if storage.exists(path) else {}
-
-
-def read_rows(path: str) -> list[dict]:
-    if not storage.exists(path):
-        return []
-    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
 
 
 def _started_from_name(name: str) -> Optional[float]:

@@ -12,12 +12,16 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
+
+import psutil
 
 from raytrain_app.capacity import workers_that_fit
 from raytrain_app.console import route_ray_logs
@@ -64,7 +68,8 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
 @contextmanager
 def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optional[str], verbose: bool,
                 echo: Callable[[str], None], spare_cpus: float = 0, min_nodes: int = 1,
-                node_timeout_s: float = 0, dashboard: bool = False) -> Iterator[None]:
+                node_timeout_s: float = 0, dashboard: bool = False,
+                on_node_lost: Optional[Callable[[str], None]] = None) -> Iterator[None]:
     """The cluster for `scaling`'s workers (see `choose_cluster`), said when it is not the obvious
     one, connected for the block: what `train`, `evaluate` and `predict` share. A joined cluster
     whose nodes are still starting (a SLURM allocation's) is given `node_timeout_s` to reach
@@ -80,7 +85,7 @@ def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optiona
         yield
     elif choice.address is None:
         with embedded_cluster(max(os.cpu_count() or 1, needed), log_dir=log_dir, verbose=verbose,
-                              dashboard=dashboard):
+                              dashboard=dashboard, on_node_lost=on_node_lost):
             yield
     else:
         with connected(choice.address, log_dir, verbose, choice.auth_env):
@@ -127,12 +132,14 @@ def _has_room(dashboard: Dashboard, workers: int, cpus_per_worker: float, gpus_p
 
 @contextmanager
 def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Optional[str] = None,
-                     verbose: bool = False, dashboard: bool = False) -> Iterator[None]:
+                     verbose: bool = False, dashboard: bool = False,
+                     on_node_lost: Optional[Callable[[str], None]] = None) -> Iterator[None]:
     """Start a fresh single-node cluster; never attach to one named in Ray's temp files.
 
     Ray's own logs are copied into `log_dir/ray` when the cluster stops. With a `dashboard` (on a
     free loopback port), Ray's state API answers, and is named to every actor: with no address
-    it fails as soon as a second Ray runs on the machine.
+    it fails as soon as a second Ray runs on the machine. If the node dies under the run, a
+    `NodeWatch` says so and ends the process, after `on_node_lost(message)`.
     """
     import ray
 
@@ -155,13 +162,120 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
     if not verbose:
         route_raylet_errors(logging.getLogger("ray").warning)
     session_logs = session_logs_dir()
+    global _watch
+    _watch = NodeWatch(session_logs, log_dir, on_node_lost)
+    _watch.start()
     try:
         yield
     finally:
+        _watch.stop()  # before the node stops on purpose
+        _watch = None
         ray.shutdown()
-        if log_dir and os.path.isdir(session_logs):
-            shutil.copytree(session_logs, os.path.join(log_dir, "ray"), dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("*.sock", "events", "old"))
+        copy_logs(session_logs, log_dir)
+
+
+def copy_logs(session_logs: str, log_dir: Optional[str]) -> None:
+    """Ray's session logs into LOG_DIR/ray, where the run keeps them."""
+    if log_dir and os.path.isdir(session_logs):
+        shutil.copytree(session_logs, os.path.join(log_dir, "ray"), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.sock", "events", "old"))
+
+
+# The embedded cluster's watch, while one is up in this process.
+_watch: Optional["NodeWatch"] = None
+WATCH_INTERVAL_S = 0.1
+
+
+def lost_local_node(wait_s: float) -> None:
+    """Where Ray's errors reach the driver: if the embedded cluster's node has died (within
+    `wait_s`, the time its death takes to show), end the process as the watch does; else return."""
+    if _watch is None:
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and _watch.is_alive():
+        reason = _watch.lost()
+        if reason:
+            _watch.fail(reason)
+        time.sleep(WATCH_INTERVAL_S)
+
+
+class NodeWatch(threading.Thread):
+    """Watches the raylet of the embedded cluster this process started.
+
+    When it dies (killed, out of memory), Ray's core ends the driver within a fraction of a
+    second (QuickExit, exit code 1), skipping every `finally`, after an error that reads like an
+    interrupt. So the watch, polling the raylet process (a zombie once it exits) and the GCS's
+    view of the node (which knows of a SIGTERM first), says why in one line, records it
+    (`on_lost`), keeps Ray's logs, and exits 1 itself.
+    """
+
+    def __init__(self, session_logs: str, log_dir: Optional[str], on_lost: Optional[Callable[[str], None]]):
+        import ray
+
+        super().__init__(daemon=True, name="raytrain-node-watch")
+        self.session_logs, self.log_dir, self.on_lost = session_logs, log_dir, on_lost
+        self.node_id = ray.get_runtime_context().get_node_id()
+        socket_name = next(n["RayletSocketName"] for n in ray.nodes() if n["NodeID"] == self.node_id)
+        self.raylet = next((p for p in psutil.Process().children() if _is_raylet(p, socket_name)), None)
+        self._stopped = threading.Event()
+        self._failing = threading.Lock()
+
+    def run(self) -> None:
+        while not self._stopped.wait(WATCH_INTERVAL_S):
+            reason = self.lost()
+            if reason:
+                self.fail(reason)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join()
+
+    def lost(self) -> Optional[str]:
+        """Why the node is gone, or None while it is up."""
+        import ray
+
+        if self.raylet is not None:
+            try:
+                if self.raylet.status() == psutil.STATUS_ZOMBIE:  # exited; ours to reap, for how it ended
+                    _, status = os.waitpid(self.raylet.pid, os.WNOHANG)
+                    return _ended(status)
+            except (psutil.NoSuchProcess, ChildProcessError):
+                return "raylet exited"
+        if self._stopped.is_set():
+            return None
+        try:
+            node = next((n for n in ray.nodes() if n["NodeID"] == self.node_id), None)
+        except Exception:  # noqa: BLE001 - the GCS went with the node: the process check will tell
+            return None
+        if node is not None and not node["Alive"]:
+            return f"raylet exited: {node.get('DeathReasonMessage') or 'marked dead'}"
+        return None
+
+    def fail(self, reason: str) -> None:
+        """Say why, record it, keep the logs, and end the process (exit 1): never returns."""
+        with self._failing:
+            where = f"; logs in {os.path.join(self.log_dir, 'ray')}" if self.log_dir else ""
+            message = f"the local Ray node stopped ({reason}){where}"
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            with suppress(Exception):  # nothing may keep the process from ending as said
+                if self.on_lost:
+                    self.on_lost(message)
+                copy_logs(self.session_logs, self.log_dir)
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def _is_raylet(process: psutil.Process, socket_name: str) -> bool:
+    try:
+        return process.name() == "raylet" and f"--raylet_socket_name={socket_name}" in process.cmdline()
+    except psutil.Error:
+        return False
+
+
+def _ended(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"raylet exited: killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"raylet exited with code {os.WEXITSTATUS(status)}" if status else "raylet exited"
 
 
 @contextmanager

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from raytrain_app import optim
+from raytrain_app.early_stopping import EarlyStopping
 from raytrain_app.metrics import Totals
 
 
@@ -84,6 +85,7 @@ class TrainState:
     totals: Optional[Totals] = None  # this rank's running train-loss sums in the epoch under way
     clock: EpochClock = field(default_factory=EpochClock)
     sharded: bool = False  # the model is FSDP-sharded: weights and optimizer go through DCP
+    early_stopping: Optional[EarlyStopping] = None  # what it has seen so far, when the run watches a metric
 
     def finish_epoch(self) -> None:
         self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
@@ -100,6 +102,7 @@ class TrainState:
             "epoch": self.epoch,
             "step": self.step,
             "batch": self.batch,
+            "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
         }
 
     def load_state_dict(self, saved: dict, shards: Optional[str] = None) -> None:
@@ -115,6 +118,8 @@ class TrainState:
         if self.scaler and saved["scaler"]:
             self.scaler.load_state_dict(saved["scaler"])
         self.epoch, self.step, self.batch = saved["epoch"], saved["step"], saved["batch"]
+        if self.early_stopping and saved.get("early_stopping"):  # else: watched from this resume on
+            self.early_stopping.load_state_dict(saved["early_stopping"])
 
     def sharded_state_dict(self) -> dict:
         """Weights and optimizer state keyed by parameter name, as this rank's DTensor shards."""

@@ -34,6 +34,18 @@ def normalize(path: str) -> str:
     return path.rstrip("/") if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
+def parent(path: str) -> str:
+    """The directory holding `path` (a local path or URI)."""
+    return posixpath.dirname(path.rstrip("/")) if "://" in path else os.path.dirname(os.path.abspath(path))
+
+
+def remove(path: str) -> None:
+    """Delete the directory `path` and what it holds, if it exists."""
+    fs, p = filesystem_for(path)
+    if fs.get_file_info(p).type != pafs.FileType.NotFound:
+        fs.delete_dir(p)
+
+
 def join(base: str, *parts: str) -> str:
     return posixpath.join(base, *parts) if "://" in base else os.path.join(base, *parts)
 

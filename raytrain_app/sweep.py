@@ -27,7 +27,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from raytrain_app import jobs, runs, storage
+from raytrain_app import jobs, rundir, storage
 from raytrain_app.config import JobConfig, metric_mode, updated
 from raytrain_app.configfile import loads
 from raytrain_app.errors import TrainingFailed, UserError, last_line
@@ -341,8 +341,8 @@ def _trial_dirname(trial) -> str:
 def _summary(sweep: Sweep, sweep_dir: str, trial, interrupted: bool, errors: dict[str, str]) -> Trial:
     name = os.path.basename(trial.path.rstrip("/")) if trial.path else _trial_dirname(trial)
     run_dir = storage.join(sweep_dir, name)
-    rows = runs.read_rows(storage.join(run_dir, "metrics.jsonl"))
-    best = runs.best_row(rows, sweep.metric, sweep.mode)
+    rows = rundir.read_metrics(run_dir)
+    best = rundir.best_row(rows, sweep.metric, sweep.mode)
     done = max((row["epoch"] for row in rows if "epoch" in row), default=0)
     planned = sweep.trial_config(trial.config).train.epochs
     if trial.status == "ERROR":

@@ -108,16 +108,28 @@ class Supervised(Task):
 
 
 class Classification(Supervised):
-    def __init__(self, config: TaskConfig):
+    """`weight` (task.class_weights, set by the loop once the labels are counted) makes the loss
+    the weighted mean sum(w[y] * nll) / sum(w[y]), in training as in evaluation. `confusion`
+    adds the confusion matrix to the evaluation sums, for `class_report`."""
+
+    def __init__(self, config: TaskConfig, confusion: bool = False):
         super().__init__(config)
         self.label_smoothing = config.label_smoothing
+        self.weight: Optional[torch.Tensor] = None
+        self.confusion = confusion
 
     def loss(self, out, y, reduction="mean"):
-        return F.cross_entropy(out, y, label_smoothing=self.label_smoothing, reduction=reduction)
+        weight = None if self.weight is None else self.weight.to(out.device, out.dtype)
+        return F.cross_entropy(out, y, weight=weight, label_smoothing=self.label_smoothing, reduction=reduction)
 
     def sums(self, out, y):
         s = {"loss": self.loss(out, y, "sum"), "samples": torch.tensor(float(len(y)), device=y.device)}
+        if self.weight is not None:
+            s["weights"] = self.weight.to(y.device)[y].double().sum()
         pred = out.argmax(1)
+        if self.confusion:  # rows: true class, columns: predicted
+            classes = out.shape[1]
+            s["confusion"] = torch.bincount(y * classes + pred, minlength=classes * classes).reshape(classes, classes)
         if "accuracy" in self.wanted:
             s["correct"] = (pred == y).sum()
         if "top5" in self.wanted:
@@ -128,7 +140,7 @@ class Classification(Supervised):
 
     def metrics(self, s):
         n = float(s["samples"])
-        m = {"loss": float(s["loss"]) / n, "samples": int(n)}
+        m = {"loss": float(s["loss"]) / float(s.get("weights", n)), "samples": int(n)}
         if "accuracy" in self.wanted:
             m["accuracy"] = float(s["correct"]) / n
         if "top5" in self.wanted:
@@ -275,12 +287,15 @@ class LanguageModel(Task):
         return m
 
     @staticmethod
-    def outputs(sample, num_classes: int) -> int:
+    def outputs(sample, num_classes: Optional[int]) -> int:
         """The vocabulary, once the sample is known to be 1-D integer token ids at least 2 long."""
         if not (isinstance(sample, torch.Tensor) and sample.dim() == 1 and not sample.is_floating_point()
                 and len(sample) >= 2):
             shape = tuple(sample.shape) if isinstance(sample, torch.Tensor) else type(sample).__name__
             raise UserError(f"task language_model needs samples of integer token ids shaped (T + 1,), got {shape}")
+        if num_classes is None:
+            raise UserError("task language_model needs the vocabulary's size: give the training dataset a "
+                            "`num_classes` attribute (data: text has 256)")
         return num_classes
 
     def check(self, model: nn.Module, train, eval_, model_name: str) -> None:
@@ -322,6 +337,28 @@ def f1_macro(s: Sums, every_label: bool = False) -> float:
     f1 = torch.where(denominator > 0, 2 * tp / denominator.clamp_min(1), 0.0)
     scored = f1 if every_label else f1[denominator > 0]
     return float(scored.mean()) if scored.numel() else 0.0
+
+
+def class_weights(setting, counts: torch.Tensor) -> torch.Tensor:
+    """task.class_weights as one weight per class: as given, or for `auto` samples / (classes x the
+    class's samples), scikit-learn's "balanced" (0 for a class no training sample has)."""
+    if setting != "auto":
+        return torch.tensor(setting, dtype=torch.float32)
+    counts = counts.double()
+    return torch.where(counts > 0, counts.sum() / (len(counts) * counts.clamp_min(1)), 0.0).float()
+
+
+def class_report(s: Sums) -> dict:
+    """Per-class precision, recall, F1 and support, and the confusion matrix (rows: true class,
+    columns: predicted), from all-reduced evaluation sums of a Classification(confusion=True)."""
+    confusion = s["confusion"].long().cpu()
+    tp = confusion.diag().double()
+    predicted, support = confusion.sum(0).double(), confusion.sum(1).double()
+    precision = torch.where(predicted > 0, tp / predicted.clamp_min(1), 0.0)
+    recall = torch.where(support > 0, tp / support.clamp_min(1), 0.0)
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp_min(1e-12), 0.0)
+    return {"precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
+            "support": support.long().tolist(), "confusion": confusion.tolist()}
 
 
 class CustomStep(Task):
@@ -417,9 +454,9 @@ def custom_metric_names(task: CustomStep, model: nn.Module, train) -> list[str]:
     return [k[: -len(".sum")] for k in sums if k.endswith(".sum")]
 
 
-def model_outputs(task: Task, train, num_classes: int) -> int:
+def model_outputs(task: Task, train, num_classes: Optional[int]) -> Optional[int]:
     """The model's output width: the task's, from a label; otherwise the data's class count (a
-    language model's vocabulary)."""
+    language model's vocabulary; None for a custom step's data that declares none)."""
     if isinstance(task, Supervised):
         return task.outputs(torch.as_tensor(train[0][1]), num_classes)
     if isinstance(task, LanguageModel):

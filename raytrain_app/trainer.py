@@ -21,9 +21,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 from ray.util.queue import Empty, Queue
 
-from raytrain_app import storage, tracking
+from raytrain_app import rundir, storage, tracking
 from raytrain_app.capacity import check_workers_fit, connected_nodes
-from raytrain_app.config import CheckpointConfig, JobConfig, dump_yaml
+from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.data.raydata import read_train
 from raytrain_app.errors import (TrainingFailed, UserError, describe, describe_rank, last_line, process_died,
@@ -32,6 +32,7 @@ from raytrain_app.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.plan import RunPlan
 from raytrain_app.report import Result
 from raytrain_app.script import RestartCount, run_script_per_worker
+from raytrain_app.session import lost_local_node
 
 
 def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None,
@@ -82,7 +83,6 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
                              storage.join(plan.run_dir, "startup.json"))
     listener.start()
-    t0 = time.perf_counter()
     try:
         result = _fit(trainer, listener, events, restarts, config)
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
@@ -93,10 +93,11 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
             record_status(plan.run_dir, ended, last_line(e))
             tracking.finish(config.tracking, plan.run_dir, "KILLED" if ended == "interrupted" else "FAILED")
         raise
-    best, best_metrics = (None, None) if config.script else _best(result.best_checkpoints or [], config.checkpoint)
-    best_uri = storage.checkpoint_uri(plan.run_dir, best) if best else None
+    best, best_metrics = rundir.best(plan.run_dir, rows=history.rows())
+    best_uri = best.path if best else None
     tracking.finish(config.tracking, plan.run_dir, "FINISHED", best_uri, best_metrics)
-    record_status(plan.run_dir, "finished")
+    record_status(plan.run_dir, *(("stopped early", listener.stopped_early) if listener.stopped_early else
+                                  ("finished",)))
     return Result(
         report=_picture(plan.run_dir, echo) if config.tracking.report_png else None,
         config=config,
@@ -105,19 +106,25 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
         best_checkpoint=best_uri,
         best_metrics=best_metrics,
         final_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
-        wall_s=time.perf_counter() - t0,
+        stopped_early=listener.stopped_early,
+        wall_s=time.time() - marks.get("start", marks["fit"]),  # the caller's start: the command's time
     )
 
 
 def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restarts, config: JobConfig):
     try:
         return trainer.fit()
-    except ray.train.TrainingFailedError as e:
-        raise explain_failure(e, config) from None
-    except (SystemExit, ray.exceptions.RayActorError):
-        # Ray Train's own SIGINT handler aborts the run by killing its controller, then exits 0.
-        # An interrupted run is not a successful one.
-        raise KeyboardInterrupt from None
+    except BaseException as e:
+        # A lost embedded node reaches here looking like an interrupt or a failed controller: if
+        # that is what happened, the node watch says so and ends the process (see NodeWatch).
+        lost_local_node(wait_s=2.0 if isinstance(e, (ray.exceptions.RayError, ray.train.TrainingFailedError)) else 0)
+        if isinstance(e, ray.train.TrainingFailedError):
+            raise explain_failure(e, config) from None
+        if isinstance(e, (SystemExit, ray.exceptions.RayActorError)):
+            # Ray Train's own SIGINT handler aborts the run and raises SystemExit (or, in older
+            # versions, kills its controller). An interrupted run is not a successful one.
+            raise KeyboardInterrupt from None
+        raise
     finally:
         listener.stop()
         ray.kill(events.actor)
@@ -134,14 +141,6 @@ def _picture(run_dir: str, echo) -> Optional[str]:
     except UserError as e:
         echo(f"warning: no report.png: {e}")
         return None
-
-
-def _best(checkpoints: list, config: CheckpointConfig) -> tuple[Optional[ray.train.Checkpoint], Optional[dict]]:
-    scored = [(c, m) for c, m in checkpoints if not m.get("mid_epoch")]
-    if not scored:
-        return None, None
-    pick = max if config.mode == "max" else min
-    return pick(scored, key=lambda cm: cm[1][config.metric])
 
 
 # A poll interval the user set, which wins over ours.
@@ -209,6 +208,7 @@ class EventListener(threading.Thread):
         self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
         self.marks, self.startup_file = marks, startup_file
         self.nonfinite: Optional[dict] = None  # where the workers stopped at a non-finite loss
+        self.stopped_early: Optional[str] = None  # why train.early_stopping ended the run
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -250,6 +250,9 @@ class EventListener(threading.Thread):
         elif kind == "epoch":
             self.log.add(payload)
             self.echo(epoch_line(payload, self.epochs))
+        elif kind == "stopped_early":
+            self.stopped_early = f"stopped early after epoch {payload['epoch']}: {payload['reason']}"
+            self.echo(self.stopped_early)
 
 
 class RestartNotices(UserCallback):

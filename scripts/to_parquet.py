@@ -2,6 +2,7 @@
 
     python scripts/to_parquet.py images ROOT OUT_DIR [--size 32] [--grey] [--seed 0]
     python scripts/to_parquet.py csv FILE.csv OUT_DIR --label COLUMN [--features a,b,c]
+    python scripts/to_parquet.py csv NEW.csv OUT_DIR --no-label [--features a,b,c]     # rows to predict
 
 Both write OUT_DIR/part-00000.parquet, part-00001.parquet, ... with one schema, and metadata that
 lets the reader find the columns without a config: `raytrain.features`, `raytrain.shape`,
@@ -171,32 +172,41 @@ def images(root: Path, out_dir: Path, size: int, grey: bool, seed: int, rows_per
 @cli.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--label", required=True, help="The label column.")
+@click.option("--label", help="The label column.")
+@click.option("--no-label", is_flag=True, help="New rows without a label, for `raytrain-app predict`.")
 @click.option("--features", help="Feature columns, comma-separated (default: every column but the label).")
 @sharding
-def csv(file: Path, out_dir: Path, label: str, features: Optional[str], rows_per_file: int,
-        row_group_rows: int) -> None:
+def csv(file: Path, out_dir: Path, label: Optional[str], no_label: bool, features: Optional[str],
+        rows_per_file: int, row_group_rows: int) -> None:
     """A CSV file with a header row and numeric columns. Types are pyarrow's inference from the
     first block: integer features stay int64, real ones become float32. An integer label is a
-    class id and gives num_classes (its maximum + 1); a real one is a regression target.
+    class id and gives num_classes (its maximum + 1); a real one is a regression target. With
+    --no-label the rows are new data to predict, with the same feature columns.
 
     The file is read twice: a first pass checks every value and finds the largest label before
     anything is written, since every file's schema must carry num_classes."""
+    if bool(label) == no_label:
+        raise UserError("give --label COLUMN for training data, or --no-label for new rows to predict")
     names = open_csv(file).schema.names
     columns = features.split(",") if features else [c for c in names if c != label]
-    unknown = [c for c in [label] + columns if c not in names]
+    wanted = columns + ([label] if label else [])
+    unknown = [c for c in wanted if c not in names]
     if unknown:
         raise UserError(f"{file}: no column '{unknown[0]}' (columns: {', '.join(names)})")
-    repeated = [c for c in columns + [label] if (columns + [label]).count(c) > 1]
+    repeated = [c for c in wanted if wanted.count(c) > 1]
     if repeated:
         raise UserError(f"{file}: column '{repeated[0]}' is named twice in --features and --label")
 
-    reader = open_csv(file, columns + [label])
+    reader = open_csv(file, wanted)
     schema = pa.schema([(f.name, stored_type(f, file)) for f in reader.schema])
-    highest = [pc.max(batch.column(label)).as_py() for batch in checked(reader, file)]
-    if not highest:
+    rows_seen, highest = 0, []
+    for batch in checked(reader, file):
+        rows_seen += batch.num_rows
+        if label:
+            highest.append(pc.max(batch.column(label)).as_py())
+    if not rows_seen:
         raise UserError(f"{file} has no rows")
-    num_classes = max(highest) + 1 if schema.field(label).type == pa.int64() else None
+    num_classes = max(highest) + 1 if label and schema.field(label).type == pa.int64() else None
     schema = schema.with_metadata(metadata(features=columns, label=label, shape=[len(columns)],
                                            num_classes=num_classes, source=f"csv:{file}"))
 
@@ -204,7 +214,7 @@ def csv(file: Path, out_dir: Path, label: str, features: Optional[str], rows_per
     batches = (pa.record_batch([batch.column(f.name).cast(f.type) for f in schema], schema=schema)
                for batch in checked(open_csv(file, schema.names), file))
     rows, files = write_parts(batches, schema, out_dir, rows_per_file, row_group_rows)
-    target = f"{num_classes} classes" if num_classes is not None else "a real-valued label"
+    target = (f"{num_classes} classes" if num_classes is not None else "a real-valued label") if label else "no label"
     click.echo(f"wrote {rows} rows with {target} in {files} files to {out_dir}")
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import raytrain_app
-from raytrain_app.config import JobConfig
-from raytrain_app.data import build_datasets
+from raytrain_app.data.arrays import split
+from raytrain_app.data.parquet import DIGITS_FILE, read_table
 from tests.conftest import REPO
 
 PUBLIC = {"fit", "load_model", "Result", "UserError", "ConfigError", "TrainingFailed", "report", "latest_checkpoint"}
@@ -25,7 +25,7 @@ def test_the_package_exports_exactly_the_public_api():
     assert all(hasattr(raytrain_app, name) for name in PUBLIC)
 
 
-def test_the_readme_example_trains_a_notebook_model_and_loads_it_back(ray_cluster, tmp_path, monkeypatch):
+def test_the_readme_example_trains_a_notebook_model_and_predicts_raw_rows(ray_cluster, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # its runs/ go here
     namespace = {"__name__": "__main__"}  # as in a notebook: the model function is pickled by value
     exec(compile(readme_example(), "README.md", "exec"), namespace)
@@ -33,17 +33,15 @@ def test_the_readme_example_trains_a_notebook_model_and_loads_it_back(ray_cluste
 
     assert isinstance(result, raytrain_app.Result) and result.run_dir.startswith(str(tmp_path / "runs"))
     assert [row["epoch"] for row in result.metrics] == [1, 2, 3]
-    assert result.final_checkpoint and result.best_checkpoint
-    # The loaded model is the best checkpoint's: it scores on the eval set what that epoch reported.
-    config = JobConfig.from_dict({"data": {"name": "digits"}})
-    data = build_datasets(config.data)
-    x = torch.stack([data.eval[i][0] for i in range(len(data.eval))])
-    y = torch.tensor([int(data.eval[i][1]) for i in range(len(data.eval))])
-    assert not model.training
+    assert result.final_checkpoint and result.best_checkpoint == model.source
+    # The loaded model takes the eval split's raw rows, as the file stores them, and scores on
+    # them exactly what the best checkpoint's epoch reported.
+    x, y = read_table(str(DIGITS_FILE), "image", "label", None)
+    _, _, x_eval, y_eval = split(x, y, 0.2, 0)
+    assert x_eval.dtype == torch.uint8 and not model.training
     with torch.no_grad():
-        accuracy = (model(x).argmax(1) == y).float().mean().item()
-    best = max(result.metrics, key=lambda row: row["eval_accuracy"])
-    assert accuracy == pytest.approx(best["eval_accuracy"], abs=1e-6)
+        accuracy = (model(x_eval.reshape(len(x_eval), -1)).argmax(1) == y_eval).double().mean().item()
+    assert accuracy == result.best_metrics["eval_accuracy"]
     assert accuracy > 0.8
 
 

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,7 +33,10 @@ def forked(*args):
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cli") / "digits"
-    return run_dir, cli("train", "examples/digits.yaml", "--workers", "2", "--run-dir", str(run_dir), *KEEP_WORST)
+    start = time.monotonic()
+    proc = cli("train", "examples/digits.yaml", "--workers", "2", "--run-dir", str(run_dir), *KEEP_WORST)
+    proc.seconds = time.monotonic() - start
+    return run_dir, proc
 
 
 # Keep the checkpoints with the *lowest* accuracy: with accuracy rising, the best by the metric and
@@ -60,6 +64,14 @@ def test_startup_json_breaks_the_first_step_down(digits_run):
     parts = sum(value for key, value in phases.items() if key != "total")
     assert 0.5 * phases["total"] < parts <= phases["total"] + 0.01  # the gaps between phases are small
     assert f"first step after {phases['total']:.1f}s (imports+checks {phases['imports+checks']:.1f}s" in proc.stdout
+
+
+def test_the_summarys_wall_time_is_the_commands(digits_run):
+    run_dir, proc = digits_run
+    wall = float(re.search(r"^wall time +([0-9.]+)s$", proc.stdout, re.M).group(1))
+    startup = json.loads((run_dir / "startup.json").read_text())["total"]
+    assert startup < wall <= proc.seconds  # imports and the cluster's start and stop included
+    assert wall > proc.seconds - 3  # all but Python's own start and the exit
 
 
 def test_keeps_the_best_checkpoints_by_the_metric(digits_run):
@@ -130,8 +142,8 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_clust
     assert proc.returncode == 2 and "has no column 'image'" in proc.stderr and len(proc.stderr.splitlines()) == 1
     pq.write_table(pa.table({"image": [[0.0] * 10]}), tmp_path / "short.parquet")
     proc = forked("predict", str(run_dir), "--input", str(tmp_path / "short.parquet"), "--output", str(tmp_path / "p"))
-    assert proc.returncode == 2 and "10 values per row, but the model was trained on samples shaped [1, 28, 28]" \
-        in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.returncode == 2 and "10 values per row, but the model was trained on samples of 64 values shaped " \
+        "[1, 8, 8]" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     proc = forked("predict", str(run_dir), "--input", str(tmp_path / "new.parquet"), "--output", "/proc/preds.parquet")
     assert proc.returncode == 2 and "is not writable" in proc.stderr and len(proc.stderr.splitlines()) == 1
 

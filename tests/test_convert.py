@@ -185,6 +185,17 @@ def test_a_csv_feature_subset_and_a_real_valued_label(tmp_path):
     assert "raytrain.num_classes" not in meta
 
 
+def test_new_rows_without_a_label_for_predict(tmp_path):
+    records = csv_file(tmp_path / "data.csv")
+    out = tmp_path / "out"
+    result = converted("csv", tmp_path / "data.csv", out, "--no-label", "--features", "n,klass")
+    assert result.stdout.strip() == f"wrote 11 rows with no label in 1 files to {out}"
+    table = pq.read_table(parts(out)[0])
+    assert table.schema.names == ["n", "klass"] and table.column("n").to_pylist() == [d["n"] for d in records]
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
+    assert meta["raytrain.features"] == '["n", "klass"]' and "raytrain.label" not in meta
+
+
 def test_a_csv_of_several_blocks_fills_row_groups_across_them(tmp_path):
     """pyarrow parses a CSV a block (1 MB) at a time; row groups and files are cut independently."""
     n = 200_000
@@ -246,8 +257,14 @@ def empty_value(tmp_path):
     return ["csv", tmp_path / "data.csv", tmp_path / "out", "--label", "y"], "column 'z' has empty values"
 
 
+def label_or_not(tmp_path):
+    csv_file(tmp_path / "data.csv")
+    return ["csv", tmp_path / "data.csv", tmp_path / "out"], "give --label COLUMN for training data, or --no-label"
+
+
 @pytest.mark.parametrize("case", [missing_root, parquet_already_there, unreadable_image, empty_class_folder, bad_size,
-                                  unknown_label, string_feature, empty_value], ids=lambda case: case.__name__)
+                                  unknown_label, string_feature, empty_value, label_or_not],
+                         ids=lambda case: case.__name__)
 def test_user_errors_are_one_line_and_exit_2_leaving_no_files(tmp_path, case):
     args, fragment = case(tmp_path)
     before = {p: p.read_bytes() for p in parts(tmp_path / "out")}

@@ -13,7 +13,7 @@ from typing import Optional
 import psutil
 import pytest
 
-from raytrain_app import runs
+from raytrain_app import rundir, runs
 from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.errors import UserError
 from raytrain_app.plan import CHECKPOINT_SNAPSHOT, make_plan
@@ -22,9 +22,11 @@ NOW = time.time()
 
 
 def make_run(root, name: str, epochs: int = 5, done: int = 5, record: Optional[dict] = None,
-             snapshot: bool = False, checkpoint: Optional[dict] = None, accuracy: Optional[list] = None):
+             snapshot: bool = False, checkpoint: Optional[dict] = None, accuracy: Optional[list] = None,
+             kept: Optional[list[int]] = None):
     """A run directory: config.yaml as `train` writes it (resolved), one metrics row per finished
-    epoch, run.json when `record` is given, and Ray's checkpoint snapshot when `snapshot`."""
+    epoch, a checkpoint directory naming its position for each of the `kept` epochs (default:
+    all), run.json when `record` is given, and Ray's checkpoint snapshot when `snapshot`."""
     path = root / name
     path.mkdir()
     ranking = checkpoint or {"metric": "eval_accuracy", "mode": "max"}
@@ -35,6 +37,8 @@ def make_run(root, name: str, epochs: int = 5, done: int = 5, record: Optional[d
              "eval_accuracy": accuracy[epoch - 1], "time": NOW - 100 + epoch} for epoch in range(1, done + 1)]
     if rows:
         (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for epoch in range(1, done + 1) if kept is None else kept:
+        rundir.write_position(str(path / f"checkpoint_2026-01-01_00-00-{epoch:02d}.000000"), epoch, 10 * epoch, 0)
     if record is not None:
         (path / "run.json").write_text(json.dumps(record) + "\n")
     if snapshot:
@@ -148,6 +152,14 @@ def test_best_follows_the_checkpoint_metric_and_mode(tmp_path):
     (loss / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     best = {run.name: run.best for run in runs.find_runs(str(tmp_path))}
     assert best == {"acc": "eval_accuracy 0.9712 (epoch 2)", "loss": "eval_loss 0.2750 (epoch 4)"}
+
+
+def test_best_is_a_kept_checkpoints_and_a_tie_goes_to_the_earliest(tmp_path):
+    """Epoch 2 scored best, but its checkpoint is gone: the best is the best of what is kept. Of
+    epochs 3 and 5, tied, the earlier."""
+    make_run(tmp_path, "tied", done=5, accuracy=[0.6, 0.99, 0.9, 0.8, 0.9], kept=[1, 3, 4, 5],
+             record=record("finished"))
+    assert only(tmp_path).best == "eval_accuracy 0.9000 (epoch 3)"
 
 
 def test_a_run_without_epochs_has_no_best(tmp_path):

@@ -1,7 +1,9 @@
 """Ctrl-C, with stale Ray state in the temp dir, through the real command and the real process table."""
 
+import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -53,7 +55,8 @@ def test_ctrl_c_stops_the_workers_and_the_cluster_and_leaves_nothing_half_writte
 
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground process group
     _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    resume = f"raytrain-app train examples/digits.yaml --resume --run-dir {run_dir}"
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == f"interrupted: `{resume}` continues it", err
     deadline = time.monotonic() + 30
     while [p for p in started if running(p)] and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -64,3 +67,24 @@ def test_ctrl_c_stops_the_workers_and_the_cluster_and_leaves_nothing_half_writte
     assert kept  # every checkpoint directory whole: a directory without state.pt is a half-written one
     assert [(d.name, checkpoint.verify(str(d), r)) for d in kept for r in (0, 1)] == [(d.name, None) for d in kept
                                                                                       for r in (0, 1)]
+
+    # The command it printed continues the run; then the run's local Ray node dies under it (the
+    # kernel's OOM killer sends SIGKILL): one line, exit 1, run.json failed, Ray's logs kept.
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", *shlex.split(resume)[1:]], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("resumed from"):
+            break
+    started = descendants(proc.pid)
+    [raylet] = [pid for pid in started if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet"]
+    os.kill(raylet, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    message = f"the local Ray node stopped (raylet exited: killed by SIGKILL); logs in {run_dir}/logs/ray"
+    assert proc.returncode == 1 and err == f"error: {message}\n", err
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["reason"] == message
+    assert (run_dir / "logs" / "ray" / "raylet.out").exists()
+    deadline = time.monotonic() + 30
+    while [p for p in started if running(p)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in started if running(p)]

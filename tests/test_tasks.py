@@ -18,16 +18,16 @@ from torch import nn
 
 from raytrain_app import inference
 from raytrain_app.config import JobConfig, ScheduleConfig, TaskConfig, load_config
-from raytrain_app.data import Datasets, build_datasets, eval_loader
+from raytrain_app.data import Datasets, build_datasets, class_count, eval_loader, label_counts
 from raytrain_app.data.arrays import ArrayDataset, split
 from raytrain_app.data.parquet import read_table
 from raytrain_app.data.text import TokenBlocks
-from raytrain_app.loop import Precision, Step, evaluate, train_epoch
+from raytrain_app.loop import Precision, Step, evaluate, evaluation_sums, train_epoch
 from raytrain_app.optim import build_schedule
 from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.plan import check_data_and_model, make_plan
 from raytrain_app.state import TrainState
-from raytrain_app.tasks import build_task
+from raytrain_app.tasks import build_task, class_report, class_weights, model_outputs
 from raytrain_app.trainer import run_training
 from tests.gloo import spawn
 from tests.helpers import dict_data, dict_step
@@ -40,6 +40,7 @@ TASKS = {
     "language_model": {"name": "language_model", "metrics": ["perplexity", "token_accuracy"]},
     "custom": {"name": "tests.helpers:dict_step"},
 }
+WEIGHTS = [0.5, 2.0, 1.0, 3.0, 0.25, 1.5, 1.0]  # task.class_weights for the 7 classes
 OUTPUTS = {"classification": 7, "regression": 2, "multilabel": 4, "language_model": 11, "custom": 1}
 
 
@@ -69,6 +70,16 @@ def _evaluate_shards(rank: int, out_file: str) -> None:
               if task == "language_model" else ArrayDataset(x, y, torch.tensor(0.), torch.tensor(1.)))
         loader = eval_loader(Datasets(ds, ds, (), 0), 5, rank, 2, 0, False)  # this rank's shard, batches of 5
         results[task] = evaluate(model, loader, step)
+    # Classification with class weights, and the per-class report that `evaluate` writes.
+    x, y, model = eval_set("classification")
+    task = build_task(TaskConfig(name="classification", class_weights=WEIGHTS))
+    task.weight, task.confusion = torch.tensor(WEIGHTS), True
+    data = Datasets(ArrayDataset(x, y, torch.tensor(0.), torch.tensor(1.)), None, (), None)
+    data.eval = data.train
+    sums = evaluation_sums(model, eval_loader(data, 5, rank, 2, 0, False),
+                           Step(model, Precision("fp32", torch.device("cpu")), task=task))
+    results["weighted"] = {"metrics": task.metrics(sums), "report": class_report(sums),
+                           "counts": label_counts(data, 7, rank, 2).tolist(), "classes": class_count(data, rank, 2)}
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(results, f)
@@ -118,6 +129,34 @@ def test_every_metric_is_exact_over_ranks_on_an_odd_eval_set(task, reduced):
         assert got["accuracy"] == pytest.approx(float((pred == y.numpy()).mean()))
         assert got["f1_macro"] == pytest.approx(sk.f1_score(y.int().numpy(), pred, average="macro", zero_division=0))
         assert got["loss"] == pytest.approx(nn.functional.binary_cross_entropy_with_logits(out, y).item(), rel=1e-5)
+
+
+def test_class_weights_and_the_per_class_report_are_exact_over_ranks(reduced):
+    """Against scikit-learn: the weighted loss is its sample-weighted log loss, `auto` its
+    "balanced" weights from labels counted over both ranks, the report its per-class scores."""
+    from sklearn.utils.class_weight import compute_class_weight
+
+    got = reduced["weighted"]
+    x, y, model = eval_set("classification")
+    with torch.no_grad():
+        out = model(x)
+    weighted = sk.log_loss(y, torch.softmax(out, 1).numpy(), sample_weight=np.array(WEIGHTS)[y.numpy()],
+                           labels=range(7))
+    assert got["metrics"]["loss"] == pytest.approx(weighted, rel=1e-5)
+    task = build_task(TaskConfig(name="classification", class_weights=WEIGHTS))
+    task.weight = torch.tensor(WEIGHTS)
+    assert task.train_loss(model, (x, y))[0].item() == pytest.approx(weighted, rel=1e-5)  # what training steps on
+    assert got["counts"] == np.bincount(y.numpy(), minlength=7).tolist()
+    assert got["classes"] == int(y.max()) + 1
+    present = np.unique(y.numpy())
+    balanced = compute_class_weight("balanced", classes=present, y=y.numpy())
+    assert class_weights("auto", torch.tensor(got["counts"]))[present].tolist() == pytest.approx(balanced.tolist())
+    pred = out.argmax(1).numpy()
+    precision, recall, f1, support = sk.precision_recall_fscore_support(y, pred, labels=range(7), zero_division=0)
+    report = got["report"]
+    assert report["precision"] == pytest.approx(precision.tolist()) and report["recall"] == pytest.approx(recall.tolist())
+    assert report["f1"] == pytest.approx(f1.tolist()) and report["support"] == support.tolist()
+    assert report["confusion"] == sk.confusion_matrix(y, pred, labels=range(7)).tolist()
 
 
 @pytest.mark.parametrize("task", ["classification", "multilabel"])
@@ -243,3 +282,25 @@ def test_tasks_that_do_not_fit_the_data_fail_before_ray_in_one_line(path, overri
     with pytest.raises((UserError, ConfigError)) as info:
         check_data_and_model(load_config(path, overrides))
     assert len(info.value.lines) == 1 and re.search(message, info.value.lines[0]), info.value.lines
+
+
+def test_a_dataset_without_num_classes_gets_it_from_every_label_or_a_line_saying_how():
+    """Classification counts the largest label over the training split (not the first sample's);
+    other tasks leave the builder's default, or name what to declare."""
+    from raytrain_app.data import class_count
+
+    job = {"data": {"name": "tests.helpers:undeclared_data"}, "model": {"name": "tests.helpers:needs_classes"},
+           "train": {"batch_size": 4}}
+    data = build_datasets(JobConfig.from_dict(job).data)
+    assert data.num_classes is None and data.train[0][1] == 1
+    assert class_count(data) == 5
+    check_data_and_model(JobConfig.from_dict(job))  # the model gets 5 outputs: every label fits
+    with pytest.raises(UserError, match=r"task.class_weights: 2 weights for 5 classes"):
+        check_data_and_model(JobConfig.from_dict({**job, "task": {"class_weights": [1.0, 2.0]}}))
+    custom = {**job, "task": {"name": "tests.helpers:dict_step"}, "data": {"name": "tests.helpers:dict_data"}}
+    with pytest.raises(ConfigError, match=r"model.args.num_classes: the dataset does not declare num_classes"):
+        check_data_and_model(JobConfig.from_dict(custom))
+    check_data_and_model(JobConfig.from_dict({**custom, "model": {"name": "tests.helpers:defaults_classes"}}))
+    with pytest.raises(UserError, match="task language_model needs the vocabulary's size: give the training "
+                                        "dataset a `num_classes` attribute"):
+        model_outputs(build_task(TaskConfig(name="language_model")), [torch.arange(5)], None)

@@ -19,19 +19,21 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from raytrain_app import registry
 from raytrain_app.config import DataConfig
-from raytrain_app.data.arrays import ArrayDataset, DeviceBatches
-from raytrain_app.data.parquet import digits, parquet
+from raytrain_app.data.arrays import ArrayDataset, DeviceBatches, resize_images
+from raytrain_app.data.parquet import ParquetFiles, digits, parquet
+from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.data.raydata import RayDataBatches
 from raytrain_app.data.stream import ParquetStream, StreamBatches
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.data.text import TokenBlocks, text
 from raytrain_app.data.vision import cifar10, fashion_mnist, mnist
 from raytrain_app.errors import UserError
+from raytrain_app.metrics import global_max
 
 BUILTINS = {
     "digits": digits,
@@ -51,7 +53,7 @@ class Datasets:
     train: Dataset
     eval: Dataset
     input_shape: tuple[int, ...]
-    num_classes: int
+    num_classes: Optional[int]  # None: the dataset does not say (see `class_count`)
 
 
 def build_datasets(config: DataConfig) -> Datasets:
@@ -74,23 +76,55 @@ def build_datasets(config: DataConfig) -> Datasets:
     return Datasets(train, eval_, shape, _num_classes(train, eval_))
 
 
-def normalization(config: DataConfig) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """The training split's per-channel mean and std, which training normalised inputs with
-    (export records them, predict applies them); None where inputs are not normalised (token
-    ids, a user's own dataset). Builds the datasets: checkpoints do not hold these."""
-    train = build_datasets(config).train
-    normalised = isinstance(train, (ArrayDataset, ParquetStream))
-    return (train.mean.float().cpu(), train.std.float().cpu()) if normalised else None
-
-
-def _num_classes(*datasets: Dataset) -> int:
-    """Known labels for array datasets; otherwise the dataset may declare `num_classes`."""
+def _num_classes(*datasets: Dataset) -> Optional[int]:
+    """Known labels for array datasets; otherwise what the dataset declares as `num_classes`, if anything."""
     declared = getattr(datasets[0], "num_classes", None)
     if declared is not None:
         return int(declared)
     if all(isinstance(d, ArrayDataset) and not d.y.is_floating_point() for d in datasets):
         return int(max(int(d.y.max()) for d in datasets)) + 1
-    return 0  # unknown: the model's own default decides
+    return None
+
+
+def class_count(ds: Datasets, rank: int = 0, world_size: int = 1, device: torch.device = torch.device("cpu")) -> int:
+    """Classes of a classification dataset: as declared, else the largest training label + 1,
+    every rank reading its share of the labels and the largest all-reduced (one process: all)."""
+    if ds.num_classes is not None:
+        return ds.num_classes
+    mine = labels(ds.train, range(rank, len(ds.train), world_size))
+    return int(global_max(float(mine.max()) if len(mine) else 0.0, device)) + 1
+
+
+def label_counts(ds: Datasets, classes: int, rank: int = 0, world_size: int = 1,
+                 device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """How many training samples each class has, every rank counting its share (r, r + W, ...),
+    the counts all-reduced: exact, unlike DistributedSampler's padded shards."""
+    mine = labels(ds.train, range(rank, len(ds.train), world_size)).long()
+    counts = torch.bincount(mine, minlength=classes).double().to(device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    return counts.cpu()
+
+
+def labels(dataset: Dataset, indices: range) -> torch.Tensor:
+    """The labels of samples `indices` of an (input, label) dataset, without decoding inputs where
+    the dataset can (in-memory arrays, a Parquet stream's label column)."""
+    if isinstance(dataset, ArrayDataset):
+        return dataset.y[indices.start:indices.stop:indices.step]
+    if isinstance(dataset, ParquetStream):
+        return dataset.labels()[indices.start:indices.stop:indices.step]
+    return torch.stack([torch.as_tensor(dataset[i][1]) for i in indices])
+
+
+def labelled_file(path: str, recipe: dict) -> ArrayDataset:
+    """The rows of a labelled Parquet file as the trained model's eval data: read, resized and
+    normalised as its training data was, with the training split's statistics (not the file's)."""
+    files = ParquetFiles.find(path, feature_columns(recipe), recipe.get("label") or "label", recipe["shape"])
+    x, y = files.read()
+    if recipe["resize"]:
+        x = resize_images(x, recipe["resize"])
+    mean, std = (torch.tensor(recipe[k], dtype=torch.float32).reshape(recipe["stats_shape"]) for k in ("mean", "std"))
+    return ArrayDataset(x, y.float() if y.is_floating_point() else y.long(), mean, std)
 
 
 class TrainShard(DistributedSampler):

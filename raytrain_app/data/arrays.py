@@ -9,21 +9,24 @@ normalised with statistics of the training split.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from raytrain_app.data.preprocess import Stored
 from raytrain_app.errors import UserError
 
 
 class ArrayDataset(Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, augment: bool = False):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, augment: bool = False,
+                 stored: Optional[Stored] = None):
         self.x, self.y = x, y
         self.mean, self.std = mean, std
         self.augment = augment
+        self.stored = stored or Stored(tuple(x.shape[1:]))  # how the samples were before resize and normalisation
 
     def __len__(self) -> int:
         return len(self.y)
@@ -95,16 +98,21 @@ def make_pair(
     y_eval: torch.Tensor,
     resize: int = 0,
     augment: bool = False,
+    features: Union[str, tuple[str, ...], None] = None,
+    label: Optional[str] = None,
 ) -> tuple[ArrayDataset, ArrayDataset]:
-    """Train and eval datasets that share the training split's per-channel mean and std."""
+    """Train and eval datasets that share the training split's per-channel mean and std; `features`
+    and `label` name the table columns the samples came from, if any."""
     if len(y_train) == 0 or len(y_eval) == 0:
         raise UserError(f"dataset is empty: {len(y_train)} training and {len(y_eval)} eval samples")
+    stored = Stored(tuple(x_train.shape[1:]), resize, features, label)
     if resize:
         x_train, x_eval = resize_images(x_train, resize), resize_images(x_eval, resize)
     mean, std = channel_stats(x_train[: 50_000])
     # Integer labels are class ids (int64, as cross_entropy wants); real-valued ones stay float32.
     y_train, y_eval = ((y.float() if y.is_floating_point() else y.long()) for y in (y_train, y_eval))
-    return ArrayDataset(x_train, y_train, mean, std, augment), ArrayDataset(x_eval, y_eval, mean, std)
+    return (ArrayDataset(x_train, y_train, mean, std, augment, stored),
+            ArrayDataset(x_eval, y_eval, mean, std, stored=stored))
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,7 +66,8 @@ def parquet(
         x_eval, y_eval = eval_files.read()
     else:
         x, y, x_eval, y_eval = split(x, y, eval_fraction, split_seed)
-    return make_pair(x, y, x_eval, y_eval, resize=resize, augment=augment)
+    features = files.features if isinstance(files.features, str) else tuple(files.features)
+    return make_pair(x, y, x_eval, y_eval, resize=resize, augment=augment, features=features, label=files.label)
 
 
 def read_table(path: str, features: Union[str, list, None], label: Optional[str],
@@ -151,7 +152,7 @@ class ParquetFiles:
         return self.tensors(table)
 
     def tensors(self, rows: Union[pa.Table, pa.RecordBatch]) -> tuple[torch.Tensor, torch.Tensor]:
-        y = _labels(_whole(rows.column(self.label)), self.path, self.label)
+        y = label_tensor(_whole(rows.column(self.label)), self.path, self.label)
         x = feature_matrix(rows, self.features, self.path)
         shape = self.shape or [x.shape[1]]
         if int(np.prod(shape)) != x.shape[1]:
@@ -191,7 +192,7 @@ def _whole(col):
     return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
-def _labels(col: pa.Array, path: str, name: str) -> torch.Tensor:
+def label_tensor(col: pa.Array, path: str, name: str) -> torch.Tensor:
     """Integers are class ids (int64); real numbers are regression targets (float32); a list
     per row is a target vector, or a multi-label 0/1 vector (float32)."""
     if pa.types.is_integer(col.type) and not col.null_count:

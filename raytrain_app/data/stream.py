@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import numpy as np
@@ -34,7 +35,8 @@ import torch
 from torch.utils.data import Dataset
 
 from raytrain_app.data.arrays import ArrayDataset, channel_stats, resize_images
-from raytrain_app.data.parquet import ParquetFiles, RowGroup
+from raytrain_app.data.parquet import ParquetFiles, RowGroup, label_tensor
+from raytrain_app.data.preprocess import Stored
 from raytrain_app.errors import UserError
 from raytrain_app.storage import explain
 
@@ -62,6 +64,8 @@ def stream_pair(files: ParquetFiles, eval_files: Optional[ParquetFiles], eval_fr
     train = ParquetStream(files, train_groups, None, None, buffer_rows, resize, augment)
     first = train.decode(train.read_rows(range(len(train_groups)), 0, min(NORM_ROWS, len(train))))
     train.mean, train.std = first.mean, first.std
+    features = files.features if isinstance(files.features, str) else tuple(files.features)
+    train.stored = replace(first.stored, resize=resize, features=features, label=files.label)
     return train, ParquetStream(eval_files or files, eval_groups, train.mean, train.std, buffer_rows, resize, False)
 
 
@@ -73,6 +77,7 @@ class ParquetStream(Dataset):
                  std: Optional[torch.Tensor], buffer_rows: int, resize: int, augment: bool):
         self.files, self.groups = files, groups
         self.mean, self.std = mean, std
+        self.stored: Optional[Stored] = None  # the training stream's, set by stream_pair
         self.buffer_rows, self.resize, self.augment = buffer_rows, resize, augment
         self.starts = np.cumsum([0] + [g.rows for g in groups]).tolist()
         self._peeked: tuple[int, Optional[ArrayDataset]] = (-1, None)
@@ -98,6 +103,18 @@ class ParquetStream(Dataset):
     @property
     def fingerprint(self) -> str:
         return self.files.fingerprint_of(self.groups)
+
+    def labels(self) -> torch.Tensor:
+        """Every label of the split in row order, reading the label column alone."""
+        columns = []
+        for group in self.groups:
+            try:
+                with self.files.fs.open_input_file(group.path) as f:
+                    columns.append(pq.ParquetFile(f).read_row_group(group.index, columns=[self.files.label]).column(0))
+            except (pa.ArrowException, OSError) as e:
+                raise UserError(f"{group.path}: row group {group.index} is not readable: {explain(e)}") from None
+        return label_tensor(pa.chunked_array([c for column in columns for c in column.chunks]).combine_chunks(),
+                            self.files.path, self.files.label)
 
     def read_rows(self, order, lo: int, hi: int) -> Iterator[pa.RecordBatch]:
         """Rows [lo, hi) of the row groups laid end to end in `order`, decoding only those."""
@@ -132,11 +149,12 @@ class ParquetStream(Dataset):
     def decode(self, batches) -> ArrayDataset:
         """Record batches as a dataset of normalised samples, as the in-memory reader makes them."""
         x, y = self.files.tensors(pa.Table.from_batches(list(batches)))
+        stored = Stored(tuple(x.shape[1:]))
         if self.resize:
             x = resize_images(x, self.resize)
         y = y.float() if y.is_floating_point() else y.long()
         mean, std = (self.mean, self.std) if self.mean is not None else channel_stats(x)
-        return ArrayDataset(x, y, mean, std, self.augment)
+        return ArrayDataset(x, y, mean, std, self.augment, stored)
 
 
 class StreamBatches:

@@ -25,9 +25,17 @@ from raytrain_app.models.resnet import resnet18
 BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
 
 
-def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: int,
+def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: Optional[int],
                 devices: Optional[Sequence[torch.device]] = None) -> nn.Module:
-    context = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    """`num_classes` None (a dataset that does not say, for a task that does not need it): the
+    builder's own default stands, or it is a missing argument."""
+    context = {"input_shape": tuple(input_shape), **({"num_classes": num_classes} if num_classes is not None else {})}
+    if num_classes is None and "num_classes" not in config.args:
+        wanted = inspect.signature(registry.resolve(config.name, BUILTINS, "model.name")).parameters.get("num_classes")
+        if wanted is not None and wanted.default is wanted.empty:
+            raise ConfigError(f"model.args.num_classes: the dataset does not declare num_classes and model "
+                              f"'{registry.label(config.name)}' needs it: give the training dataset a `num_classes` "
+                              "attribute, or set model.args.num_classes")
     if places_itself(config):  # only to a builder that names it: one taking **kwargs may pass them on
         context["devices"] = list(devices or [torch.device("cpu")])
     model = registry.build(config.name, config.args, BUILTINS, "model", context)

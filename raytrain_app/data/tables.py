@@ -1,0 +1,70 @@
+"""Files users bring to a trained model: rows to predict, or labelled rows to score, as Parquet
+or CSV, checked against the columns the model was trained on before anything starts.
+
+A CSV is rewritten as Parquet first (streamed, a row group at a time): Ray's tasks and workers
+then share one reader, which splits a file by its row groups.
+"""
+
+from __future__ import annotations
+
+import difflib
+import posixpath
+
+import pyarrow as pa
+import pyarrow.csv as pv
+import pyarrow.parquet as pq
+
+from raytrain_app import storage
+from raytrain_app.errors import UserError
+
+ROW_GROUP_ROWS = 10_000
+
+
+def is_csv(path: str) -> bool:
+    return path.lower().endswith((".csv", ".csv.gz"))
+
+
+def columns_of(path: str, what: str) -> list[str]:
+    """The column names of the Parquet or CSV file at `path`; `what` names it in errors (`--input`)."""
+    if not storage.exists(path):
+        raise UserError(f"{what} {path} does not exist")
+    fs, inner = storage.filesystem_for(path)
+    try:
+        if is_csv(path):
+            return _open_csv(fs, inner).schema.names
+        return pq.ParquetFile(fs.open_input_file(inner)).schema_arrow.names
+    except (pa.ArrowException, OSError) as e:
+        kind = "CSV" if is_csv(path) else "Parquet"
+        raise UserError(f"{what} {path} is not a readable {kind} file: {storage.explain(e)}") from None
+
+
+def require(path: str, present: list[str], wanted: list[str], what: str, role: str) -> None:
+    """Every `wanted` column is in the file, or one line naming the first missing and the closest name."""
+    for name in wanted:
+        if name not in present:
+            close = difflib.get_close_matches(name, present, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (columns: {', '.join(present)})"
+            raise UserError(f"{what} {path} has no column '{name}', which the model was trained on as "
+                            f"{role}{hint}")
+
+
+def as_parquet(path: str, folder: str, what: str) -> str:
+    """`path` itself for Parquet; a CSV rewritten as FOLDER/NAME.parquet (a path or URI)."""
+    if not is_csv(path):
+        return path
+    out = storage.join(folder, posixpath.basename(path).split(".")[0] + ".parquet")
+    fs, inner = storage.filesystem_for(path)
+    out_fs, out_inner = storage.filesystem_for(out)
+    out_fs.create_dir(posixpath.dirname(out_inner), recursive=True)
+    try:
+        reader = _open_csv(fs, inner)
+        with out_fs.open_output_stream(out_inner) as f, pq.ParquetWriter(f, reader.schema) as writer:
+            for batch in reader:
+                writer.write_batch(batch, row_group_size=ROW_GROUP_ROWS)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{what} {path} is not a readable CSV file: {storage.explain(e)}") from None
+    return out
+
+
+def _open_csv(fs, inner: str) -> pv.CSVStreamingReader:
+    return pv.open_csv(fs.open_input_stream(inner))

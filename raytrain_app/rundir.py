@@ -1,0 +1,164 @@
+"""A run directory's record, read in one place: its epochs' metrics, the checkpoints Ray kept,
+and which of them is best.
+
+"Best" has one meaning everywhere (the summary, `runs`, sweeps, `evaluate`, `predict`, `export`
+and `load_model`): the epoch-end checkpoint whose epoch scored best by the run's
+`checkpoint.metric` and `mode` in metrics.jsonl, ties going to the earliest epoch. Mid-epoch
+checkpoints never count (they have no score). Where no kept checkpoint has a score, commands
+use the latest instead, and say so.
+
+Reading it needs neither torch nor Ray: each checkpoint names its position in a small
+`checkpoint.json` beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from dataclasses import dataclass
+from typing import Optional
+
+from raytrain_app import storage
+from raytrain_app.configfile import loads
+from raytrain_app.errors import UserError
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.yaml"
+POSITION = "checkpoint.json"  # in each checkpoint: its epoch, step and batch (written with the checkpoint)
+STATE_FILE = "state.pt"  # rank 0's state, which every checkpoint of the built-in loop holds
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A checkpoint kept in a run directory, and where in training it was taken."""
+
+    path: str  # local path or URI
+    epoch: int  # completed epochs
+    step: int
+    batch: int  # micro-batches into the next epoch: 0 at an epoch's end
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The checkpoint a command uses, and why it is that one, for its console line."""
+
+    path: str
+    why: str  # "best: eval_accuracy 0.9805 at epoch 7", "latest: epoch 12", "named"
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path.rstrip("/"))
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """metrics.jsonl's rows, one per epoch (a script's: one per report); none before the first."""
+    path = storage.join(run_dir, METRICS)
+    if not storage.exists(path):
+        return []
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+
+
+def read_config(run_dir: str) -> Optional[dict]:
+    """config.yaml as plain data (the resolved config the run started with), or None."""
+    path = storage.join(run_dir, CONFIG)
+    if not storage.exists(path):
+        return None
+    try:
+        config = loads(storage.read_text(path))
+    except Exception:  # noqa: BLE001 - a torn or foreign file: no config to go by
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def kept(run_dir: str) -> list[Kept]:
+    """The run's checkpoints, oldest first (Ray names them by time)."""
+    return [_kept(storage.join(run_dir, name)) for name in storage.subdirectories(run_dir)
+            if name.startswith("checkpoint_")]
+
+
+def write_position(checkpoint_dir: str, epoch: int, step: int, batch: int) -> None:
+    """A checkpoint's POSITION file, written with it (by rank 0, into its local directory)."""
+    storage.write_text(storage.join(checkpoint_dir, POSITION), json.dumps({"epoch": epoch, "step": step,
+                                                                           "batch": batch}))
+
+
+def _kept(path: str) -> Kept:
+    position = storage.join(path, POSITION)
+    if storage.exists(position):
+        saved = json.loads(storage.read_text(position))
+    else:  # written before checkpoints named their position: it is in rank 0's state
+        from raytrain_app.checkpoint import loop_state  # torch, only for such a run
+
+        saved = loop_state(path)
+    return Kept(path, int(saved["epoch"]), int(saved["step"]), int(saved["batch"]))
+
+
+def best_row(rows: list[dict], metric: str, mode: str, epochs: Optional[set[int]] = None) -> Optional[dict]:
+    """The epoch row with the best finite `metric` (among `epochs`, if given); ties go to the
+    earliest epoch."""
+    scored = [row for row in rows if "epoch" in row and (epochs is None or row["epoch"] in epochs)
+              and isinstance(row.get(metric), (int, float)) and math.isfinite(row[metric])]
+    if not scored:
+        return None
+    sign = -1 if mode == "max" else 1
+    return min(scored, key=lambda row: (sign * row[metric], row["epoch"]))
+
+
+def ranking(config: Optional[dict]) -> tuple[Optional[str], Optional[str]]:
+    """The metric and mode that rank a run's checkpoints, from its resolved config (none for a script)."""
+    if not config or config.get("script"):
+        return None, None
+    checkpoint = config.get("checkpoint", {})
+    return checkpoint.get("metric"), checkpoint.get("mode")
+
+
+def best(run_dir: str, checkpoints: Optional[list[Kept]] = None,
+         rows: Optional[list[dict]] = None) -> tuple[Optional[Kept], Optional[dict]]:
+    """The best kept checkpoint and its epoch's metrics row, or (None, None) where none has a score."""
+    metric, mode = ranking(read_config(run_dir))
+    if metric is None:
+        return None, None
+    checkpoints = kept(run_dir) if checkpoints is None else checkpoints
+    by_epoch = {c.epoch: c for c in checkpoints if not c.batch}  # a re-run epoch's newest, which its row is of
+    row = best_row(read_metrics(run_dir) if rows is None else rows, metric, mode, set(by_epoch))
+    return (by_epoch[row["epoch"]], row) if row else (None, None)
+
+
+def describe(row: dict, metric: str) -> str:
+    return f"{metric} {row[metric]:.4f} at epoch {row['epoch']}"
+
+
+def choose(path: str, which: Optional[str] = None) -> Chosen:
+    """The checkpoint `which` names in the run directory or checkpoint `path`: "best", "latest", a
+    checkpoint_* name, or None for the default: best where a checkpoint has a score, else latest."""
+    path = storage.normalize(path)
+    if not storage.exists(path):
+        raise UserError(f"{path} does not exist: name a run directory or one of its checkpoint_* directories")
+    if storage.exists(storage.join(path, STATE_FILE)):  # a checkpoint itself
+        if which not in (None, "latest"):
+            raise UserError(f"--checkpoint {which}: {path} is a checkpoint already; name its run directory instead")
+        return Chosen(path, "named")
+    checkpoints = kept(path)
+    if not checkpoints:
+        raise UserError(f"no checkpoint in {path}: name a run directory or one of its checkpoint_* directories")
+    latest = Chosen(checkpoints[-1].path, f"latest: epoch {checkpoints[-1].epoch}"
+                                          + (f", batch {checkpoints[-1].batch}" if checkpoints[-1].batch else ""))
+    if which == "latest":
+        return latest
+    if which not in (None, "best"):
+        names = [c.name for c in checkpoints]
+        if which not in names:
+            raise UserError(f"--checkpoint: {path} has no {which} (latest, best, or one of {', '.join(names)})")
+        return Chosen(storage.join(path, which), "named")
+    found, row = best(path, checkpoints)
+    if found:
+        return Chosen(found.path, f"best: {describe(row, ranking(read_config(path))[0])}")
+    if which == "best":
+        metric = ranking(read_config(path))[0] or "checkpoint.metric"
+        raise UserError(f"--checkpoint best: no checkpoint of {path} has a {metric} in its {METRICS}; use latest")
+    return Chosen(latest.path, latest.why + " (no checkpoint has a score)")

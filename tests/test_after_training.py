@@ -1,0 +1,187 @@
+"""After training, as a user goes on: a CSV made into Parquet by the converter, trained from its
+own folder with a relative data path, then used from another directory, on raw rows, without
+the training data: `evaluate` (its split and a labelled CSV), `predict` (label-less rows with the
+CSV's columns in another order), `export` in every format into one folder, and `load_model`.
+Every one of them must score what the run reported for the checkpoint they all name.
+
+On the test session's Ray cluster (the library calls that the commands make); the commands that
+need no Ray run through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import raytrain_app
+from raytrain_app import inference, rundir
+from tests.commands import command
+from tests.conftest import REPO
+
+FEATURES = ["age", "tenure_months", "monthly_fee", "support_calls", "usage_gb"]
+JOB = """\
+name: plans
+model: {name: mlp, args: {hidden: [32]}}
+data: {name: parquet, args: {path: data/train, eval_path: data/eval}}
+task: {class_weights: auto}
+optimizer: {name: adam, lr: 0.01}
+train: {epochs: 5, batch_size: 32}
+checkpoint: {every_epochs: 1, keep: 2}
+scaling: {workers: 2}
+"""
+
+
+def customers(n: int, seed: int) -> pa.Table:
+    """Which of three plans a customer is on: a rule of features on very different scales (an
+    unnormalised model does poorly), one plan rare."""
+    rng = np.random.default_rng(seed)
+    table = {"age": rng.integers(18, 80, n), "tenure_months": rng.integers(0, 120, n),
+             "monthly_fee": rng.uniform(10, 200, n).round(2), "support_calls": rng.integers(0, 12, n),
+             "usage_gb": rng.gamma(2.0, 40.0, n).round(1)}
+    score = (table["monthly_fee"] - 100) / 50 + (table["usage_gb"] - 80) / 60 - (table["age"] - 50) / 30
+    plan = np.where(score > 1.2, 2, np.where(score > -0.5, 1, 0))
+    return pa.table({**table, "plan": plan})
+
+
+def to_parquet(*args) -> None:
+    done = subprocess.run([sys.executable, f"{REPO}/scripts/to_parquet.py", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(ray_cluster, tmp_path_factory):
+    """The run, trained from its project folder with `data: data/train` (relative)."""
+    project = tmp_path_factory.mktemp("project")
+    pv.write_csv(customers(600, 0), project / "train.csv")
+    pv.write_csv(customers(150, 1), project / "eval.csv")
+    to_parquet("csv", project / "train.csv", project / "data" / "train", "--label", "plan", "--row-group-rows", 100)
+    to_parquet("csv", project / "eval.csv", project / "data" / "eval", "--label", "plan")
+    (project / "job.yaml").write_text(JOB)
+    cwd = os.getcwd()
+    os.chdir(project)
+    try:
+        result = raytrain_app.fit("job.yaml", run_dir="runs/plans", echo=lambda line: None)
+    finally:
+        os.chdir(cwd)
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    return project, result, elsewhere
+
+
+def test_the_run_records_absolute_paths_and_the_best_checkpoint_it_reports(trained):
+    project, result, _ = trained
+    config = rundir.read_config(result.run_dir)
+    assert config["data"]["args"]["path"] == str(project / "data" / "train")  # resolved once, at launch
+    assert config["data"]["args"]["eval_path"] == str(project / "data" / "eval")
+    chosen = rundir.choose(result.run_dir)
+    assert result.best_checkpoint == chosen.path and chosen.why.startswith("best: eval_accuracy")
+    assert result.best_metrics == rundir.best_row(result.metrics, "eval_accuracy", "max",
+                                                  {k.epoch for k in rundir.kept(result.run_dir)})
+
+
+def test_evaluate_from_another_directory_on_its_split_and_on_a_labelled_csv(trained, monkeypatch):
+    project, result, elsewhere = trained
+    monkeypatch.chdir(elsewhere)
+    best = result.best_metrics
+    metrics = inference.evaluate(os.path.relpath(result.run_dir), workers=1, echo=lambda line: None)
+    assert metrics["eval_accuracy"] == best["eval_accuracy"]
+    assert metrics["eval_loss"] == pytest.approx(best["eval_loss"], rel=1e-6)  # class-weighted, as trained
+    name = rundir.choose(result.run_dir).name
+    written = json.loads(open(f"{result.run_dir}/evaluations/{name}-eval.json").read())
+    assert written["checkpoint"].endswith(name) and sum(written["classes"]["support"]) == 150
+    assert os.path.getsize(f"{result.run_dir}/evaluations/{name}-eval-confusion.png") > 1000
+
+    labelled = inference.evaluate(result.run_dir, data=str(project / "eval.csv"), echo=lambda line: None)
+    assert labelled["eval_accuracy"] == best["eval_accuracy"]  # the same rows, read raw from the CSV
+    report = json.loads(open(f"{result.run_dir}/evaluations/{name}-file-eval.json").read())["classes"]
+    truth = customers(150, 1).column("plan").to_numpy()
+    assert report["support"] == np.bincount(truth, minlength=3).tolist()
+    assert not os.path.exists(f"{result.run_dir}/evaluations/.file-eval")  # the CSV's Parquet copy is gone
+
+
+def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns(trained, monkeypatch):
+    project, result, elsewhere = trained
+    monkeypatch.chdir(elsewhere)
+    rows = customers(150, 1)
+    truth = rows.column("plan").to_numpy()
+    shuffled = rows.select(["usage_gb", "age", "monthly_fee", "support_calls", "tenure_months"])
+    shuffled = shuffled.append_column("note", pa.array(["vip"] * 150)).append_column("id", pa.array(range(1000, 1150)))
+    pv.write_csv(shuffled, "new.csv")  # columns in another order, one more, and ids
+    count = inference.predict(result.run_dir, "new.csv", "preds.parquet", echo=lambda line: None)
+    preds = pq.read_table("preds.parquet")
+    assert count == 150 and preds.column("id").to_pylist() == list(range(1000, 1150))
+    assert (preds.column("prediction").to_numpy() == truth).mean() == result.best_metrics["eval_accuracy"]
+
+    # The converter's label-less mode gives the same rows as Parquet, and the same predictions.
+    pv.write_csv(rows.drop(["plan"]), "new-rows.csv")
+    to_parquet("csv", "new-rows.csv", "new-parquet", "--no-label")
+    inference.predict(result.run_dir, "new-parquet/part-00000.parquet", "preds2.parquet", echo=lambda line: None)
+    assert pq.read_table("preds2.parquet").column("prediction").to_pylist() == preds.column("prediction").to_pylist()
+
+    # A misnamed column: one line, with the closest name, before Ray.
+    pv.write_csv(rows.rename_columns([c.replace("tenure_months", "tenure_month") for c in rows.column_names]),
+                 "typo.csv")
+    proc = command(["predict", result.run_dir, "--input", "typo.csv", "--output", "p.parquet"], elsewhere)
+    assert proc.returncode == 2 and proc.seconds < 10, proc
+    assert proc.stderr == ("error: --input typo.csv has no column 'tenure_months', which the model was trained on as "
+                           "an input (did you mean 'tenure_month'?)\n")
+
+
+def test_export_every_format_into_one_folder_and_load_each_on_raw_rows(trained):
+    project, result, elsewhere = trained
+    name = rundir.choose(result.run_dir).name
+    for format in ("safetensors", "pt", "torchscript", "onnx"):
+        proc = command(["export", result.run_dir, "--format", format, "-o", "models/"], elsewhere)
+        assert proc.returncode == 0 and f"exported {name} (best: eval_accuracy" in proc.stdout, proc.stderr
+    raw = customers(150, 1)
+    x = torch.from_numpy(np.stack([raw.column(c).to_numpy().astype(np.float64) for c in FEATURES], axis=1))
+    truth = torch.from_numpy(raw.column("plan").to_numpy())
+    accuracy = result.best_metrics["eval_accuracy"]
+    for path in [result.run_dir, *(f"{elsewhere}/models/model.{ext}" for ext in ("safetensors", "pt",
+                                                                                 "torchscript.pt"))]:
+        model = raytrain_app.load_model(path)
+        with torch.no_grad():
+            assert (model(x).argmax(1) == truth).double().mean().item() == accuracy, path
+    manifest = json.loads(open(f"{elsewhere}/models/model.onnx.json").read())
+    assert manifest["preprocessing"]["features"] == FEATURES and manifest["preprocessing"]["label"] == "plan"
+
+
+def test_runs_names_the_same_best_checkpoint(trained):
+    _, result, elsewhere = trained
+    proc = command(["runs", os.path.dirname(result.run_dir), "--json"], elsewhere)
+    [run] = json.loads(proc.stdout)
+    best = result.best_metrics
+    assert run["best"] == f"eval_accuracy {best['eval_accuracy']:.4f} (epoch {best['epoch']})"
+
+
+def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_counts_on(ray_cluster, tmp_path):
+    """A learning rate too small to learn: eval accuracy never improves on epoch 1's."""
+    run_dir = tmp_path / "run"
+    sets = ["optimizer.lr=1e-9", "train.epochs=10", "train.early_stopping={patience: 2}"]
+    result = raytrain_app.fit(f"{REPO}/examples/digits.yaml", overrides=sets, run_dir=str(run_dir),
+                              echo=lambda line: None)
+    assert [row["epoch"] for row in result.metrics] == [1, 2, 3]
+    reason = "eval_accuracy did not improve for 2 epochs (best "
+    assert result.stopped_early.startswith(f"stopped early after epoch 3: {reason}") and "at epoch 1)" in \
+        result.stopped_early
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "stopped early" and record["reason"] == result.stopped_early
+    for rank in (0, 1):  # each rank decided by itself, on the all-reduced metrics
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert log.count("stopping early after epoch 3: ") == 1, rank
+    assert rundir.kept(str(run_dir))[-1].epoch == 3  # the epoch it stopped after is checkpointed
+
+    # Resumed with more patience, it goes on counting from the checkpoint: one more epoch is the third.
+    resumed = raytrain_app.fit(f"{REPO}/examples/digits.yaml", run_dir=str(run_dir), resume=True,
+                               overrides=[*sets, "train.early_stopping.patience=3"], echo=lambda line: None)
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
+    assert resumed.stopped_early.startswith(f"stopped early after epoch 4: eval_accuracy did not improve for 3 ")
