@@ -32,6 +32,7 @@ from raytrain_app.errors import TrainingFailed, UserError, last_line
 from raytrain_app.session import cluster_for
 
 DATA_SETS = ("eval", "train")
+MAX_CLASS_LINES = 20  # classes that evaluate's console lists one per line (all of them are in the JSON)
 # Ray's logs of an evaluate or predict (which has no run directory of its own to put them in)
 LOG_DIR = os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}", "inference-logs")
 
@@ -80,12 +81,12 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
     out = storage.join(evaluations, f"{loaded.chosen.name}-{split}.json")
     copies = storage.join(evaluations, f".{split}")  # a CSV's rows as Parquet, for the workers
     rows = _labelled_input(loaded, data, copies) if data else None
-    data = storage.normalize(data) if data else None
+    shown, data = data, storage.normalize(data) if data else None
     import ray.train  # after the checks: a wrong directory or file is reported without loading Ray
     from ray.train.torch import TorchConfig, TorchTrainer
 
     s = loaded.job.scaling
-    echo(f"evaluating {loaded.chosen.name} ({loaded.chosen.why}) on {data or f'the {data_set} split'}: "
+    echo(f"evaluating {loaded.chosen.name} ({loaded.chosen.why}) on {shown or f'the {data_set} split'}: "
          f"{s.workers} workers")
     with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo), tempfile.TemporaryDirectory() as scratch:
         trainer = TorchTrainer(
@@ -107,6 +108,12 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
     result = json.loads(storage.read_text(out))
     if "classes" in result:
         from raytrain_app import plots
+
+        classes = result["classes"]
+        if len(classes["support"]) <= MAX_CLASS_LINES:
+            echo(f"{'class':>5}  {'precision':>9}  {'recall':>6}  {'f1':>6}  {'support':>7}")
+            for c, values in enumerate(zip(*(classes[k] for k in ("precision", "recall", "f1", "support")))):
+                echo(f"{c:>5}  {values[0]:>9.4f}  {values[1]:>6.4f}  {values[2]:>6.4f}  {values[3]:>7}")
 
         try:
             picture = plots.confusion(result["classes"]["confusion"], f"{loaded.chosen.name} on {split}",

@@ -192,10 +192,12 @@ def lost_local_node(wait_s: float) -> None:
     if _watch is None:
         return
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and _watch.is_alive():
+    while _watch.is_alive():
         reason = _watch.lost()
         if reason:
             _watch.fail(reason)
+        if time.monotonic() >= deadline:
+            return
         time.sleep(WATCH_INTERVAL_S)
 
 

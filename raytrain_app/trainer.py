@@ -117,7 +117,7 @@ def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restar
     except BaseException as e:
         # A lost embedded node reaches here looking like an interrupt or a failed controller: if
         # that is what happened, the node watch says so and ends the process (see NodeWatch).
-        lost_local_node(wait_s=2.0 if isinstance(e, (ray.exceptions.RayError, ray.train.TrainingFailedError)) else 0)
+        lost_local_node(wait_s=0.5 if isinstance(e, ray.exceptions.RayActorError) else 0)
         if isinstance(e, ray.train.TrainingFailedError):
             raise explain_failure(e, config) from None
         if isinstance(e, (SystemExit, ray.exceptions.RayActorError)):
