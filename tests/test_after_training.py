@@ -185,3 +185,20 @@ def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_count
                                overrides=[*sets, "train.early_stopping.patience=3"], echo=lambda line: None)
     assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
     assert resumed.stopped_early.startswith(f"stopped early after epoch 4: eval_accuracy did not improve for 3 ")
+
+
+def test_the_readmes_raw_row_example_runs_on_this_run(trained, monkeypatch, capsys):
+    """"Using a checkpoint"'s Python lines, in the project folder where its `runs/plans` is."""
+    import re
+
+    project, result, _ = trained
+    readme = open(f"{REPO}/README.md").read()
+    section = readme[readme.index("## Using a checkpoint"):readme.index("## Python API")]
+    [example] = re.findall(r"```python\n(.*?)```", section, re.S)
+    monkeypatch.chdir(project)
+    namespace = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["model"].source == result.best_checkpoint
+    probabilities = namespace["model"](namespace["rows"]).softmax(1)
+    assert probabilities.shape == (1, 3) and float(probabilities.sum()) == pytest.approx(1.0)
+    assert "Linear(in_features=5" in capsys.readouterr().out  # the model as built, printed

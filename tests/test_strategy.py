@@ -182,7 +182,7 @@ def test_a_sharded_checkpoint_restores_exactly_reshards_and_consolidates(tmp_pat
     spawn(_save_and_restore, str(tmp_path))
     merged = tmp_path / "merged"
     files = sorted(str(f.relative_to(merged)) for f in merged.rglob("*") if f.is_file())
-    assert files == ["rank0.pt", "rank0.pt.sha256", "rank1.pt", "rank1.pt.sha256", "shards/.metadata",
+    assert files == ["checkpoint.json", "rank0.pt", "rank0.pt.sha256", "rank1.pt", "rank1.pt.sha256", "shards/.metadata",
                      "shards/.metadata.sha256", "shards/__0_0.distcp", "shards/__0_0.distcp.sha256",
                      "shards/__1_0.distcp", "shards/__1_0.distcp.sha256", "state.pt", "state.pt.sha256"]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
