@@ -41,11 +41,25 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     source, job = job_config(config, sets, script_args)
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
-    from raytrain_app.capacity import spare_cpus
     from raytrain_app.plan import make_plan
+
+    plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"))
+    try:
+        result = _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s)
+    except KeyboardInterrupt:
+        raise Interrupted(_how_to_continue(config, plan, script_args)) from None
+    finally:
+        plan.upload_logs(lambda line: echo(f"warning: {line}"))
+        plan.lease.release()
+    result.wall_s = time.time() - marks["start"]  # the command's, its cluster's stop included
+    return result
+
+
+def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s):
+    """The planned run on its cluster."""
+    from raytrain_app.capacity import spare_cpus
     from raytrain_app.session import cluster_for
 
-    plan = make_plan(job, run_dir=run_dir, resume=resume, source=source)
     # torch loads before Ray connects (a job's checks have loaded it already; a script's have
     # not): loaded after Ray inside a Ray job, libtorch fails with "oneMKL FATAL ERROR".
     import torch  # noqa: F401
@@ -55,32 +69,25 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     echo(f"run {plan.run_dir}: {s.workers} workers, {what}")
     for warning in plan.warnings:
         echo(f"warning: {warning}")
+
     def lost(message: str) -> None:  # the embedded node died under the run
         from raytrain_app.trainer import record_status
 
         record_status(plan.run_dir, "failed", message)
 
-    try:
-        with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config), min_nodes, node_timeout_s,
-                         on_node_lost=lost):
-            from raytrain_app.trainer import run_training
+    with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config), min_nodes, node_timeout_s,
+                     on_node_lost=lost):
+        from raytrain_app.trainer import run_training
 
-            marks["cluster"] = time.time()
-            result = run_training(plan, progress=progress, echo=echo, marks=marks)
-    except KeyboardInterrupt:
-        raise Interrupted(_how_to_continue(config, plan, script_args)) from None
-    finally:
-        plan.upload_logs()
-    result.wall_s = time.time() - marks["start"]  # the command's, its cluster's stop included
-    return result
+        marks["cluster"] = time.time()
+        return run_training(plan, progress=progress, echo=echo, marks=marks)
 
 
 def _how_to_continue(config, plan, script_args: Sequence[str]) -> str:
     """What continues an interrupted run: the command, where it has a checkpoint to resume."""
-    from raytrain_app import storage
-    from raytrain_app.plan import CHECKPOINT_SNAPSHOT
+    from raytrain_app import rundir, storage
 
-    if not storage.exists(storage.join(plan.run_dir, CHECKPOINT_SNAPSHOT)):
+    if not storage.exists(storage.join(plan.run_dir, rundir.SNAPSHOT)):
         return "no checkpoint was written: start it again"
     what = str(config) if isinstance(config, (str, Path)) else "CONFIG"
     args = f" -- {' '.join(script_args)}" if script_args else ""

@@ -185,6 +185,22 @@ def loop_state(directory: str) -> dict:
     return saved
 
 
+def parameter_shapes(directory: str) -> tuple[dict, dict[str, list[int]]]:
+    """Rank 0's state (without weights, "sharded" added) and the model's parameter shapes, read
+    from the state or, for a sharded checkpoint, from DCP's index alone."""
+    saved = _read_state(directory) if "://" in directory else torch.load(
+        os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True, mmap=True)
+    if "model" in saved:
+        return {**saved, "sharded": False}, {name: list(t.shape) for name, t in saved["model"].items()}
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    with storage.local_copy(storage.join(directory, SHARDS)) as local:
+        index = dcp.FileSystemReader(local).read_metadata().state_dict_metadata
+    return {**saved, "sharded": True}, {key.removeprefix("model."): list(meta.size) for key, meta in index.items()
+                                        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+
 def for_inference(directory: str, weights: bool = True) -> dict:
     """Rank 0's state for using the model (with its full weights unless `weights` is False), or a
     one-line reason it cannot be used on new data: a checkpoint that did not record how its

@@ -727,10 +727,10 @@ class _command:
     def __exit__(self, kind, error, tb):
         if isinstance(error, UserError):
             for line in error.lines:
-                click.echo(f"error: {line}", err=True)
+                click.echo(_bounded(f"error: {line}"), err=True)
             sys.exit(EXIT_USAGE)
         if isinstance(error, TrainingFailed):
-            click.echo(f"training failed: {error}", err=True)
+            click.echo(_bounded(f"training failed: {error}"), err=True)
             sys.exit(EXIT_FAILED)
         if isinstance(error, KeyboardInterrupt):
             how = getattr(error, "how_to_continue", "")
@@ -740,25 +740,37 @@ class _command:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails again
             sys.exit(EXIT_BROKEN_PIPE)
         if isinstance(error, Exception):  # a bug: still one line, with the traceback kept in a file
-            click.echo(f"error: internal error, {type(error).__name__}: {last_line(error)} "
-                       f"({_keep_traceback(kind, error, tb)})", err=True)
+            import traceback
+
+            frames = traceback.extract_tb(tb)
+            where = f"at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}; " if frames else ""
+            kept = _keep("crash", "".join(traceback.format_exception(kind, error, tb)))
+            click.echo(f"error: internal error, {type(error).__name__}: {_bounded(last_line(error), 200)} "
+                       f"({where}traceback in {kept})", err=True)
             sys.exit(EXIT_FAILED)
         return False
 
 
-def _keep_traceback(kind, error, tb) -> str:
-    """Write the traceback of an unexpected error to a file; say where it is and where it was raised."""
-    import tempfile
-    import traceback
+# Longer lines go to a file, and the line names it: a terminal shows a line, not a page.
+MAX_LINE = 300
 
-    frames = traceback.extract_tb(tb)
-    where = f"at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}; " if frames else ""
+
+def _bounded(line: str, limit: int = MAX_LINE) -> str:
+    if len(line) <= limit:
+        return line
+    return f"{line[:limit - 100]}... (the whole message in {_keep('message', line + chr(10))})"
+
+
+def _keep(kind: str, text: str) -> str:
+    """`text` in a file of this user's temp folder; its path."""
+    import tempfile
+
     folder = os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    path = os.path.join(folder, f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     with open(path, "w") as f:
-        f.write("".join(traceback.format_exception(kind, error, tb)))
-    return f"{where}traceback in {path}"
+        f.write(text)
+    return path
 
 
 def run() -> None:

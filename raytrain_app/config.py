@@ -173,6 +173,10 @@ class ScheduleConfig(Section):
     warmup_epochs: float = Field(0.0, ge=0, allow_inf_nan=False, description="linear warmup from 0 (fractions "
                                                                              "allowed), at most train.epochs")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decays to lr x min_lr_ratio")
+    on_extend: Literal["continue", "restart"] = Field("continue", description="when a resumed run plans more (or "
+                                                                              "fewer) steps: continue decays from "
+                                                                              "the LR it had to the new end; restart "
+                                                                              "runs warmup and decay again")
 
 
 class EarlyStoppingConfig(Section):

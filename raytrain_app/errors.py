@@ -40,6 +40,17 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(how_to_continue)
 
 
+class CheckpointNotWritten(Exception):
+    """A worker could not write a checkpoint (a full disk, a store refusing it): where, and why."""
+
+    def __init__(self, step: int, where: str, cause: str):
+        self.step, self.where, self.cause = step, where, cause
+        super().__init__(f"checkpoint at step {step} could not be written to {where}: {cause}")
+
+    def __reduce__(self):  # across Ray
+        return type(self), (self.step, self.where, self.cause)
+
+
 class RankFailed(Exception):
     """A worker's own account of its failure, with the node it ran on (a script's exception says
     nothing of where it ran), for `describe_rank`."""

@@ -29,6 +29,7 @@ from raytrain_app.config import JobConfig, updated
 from raytrain_app.data import tables
 from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.errors import TrainingFailed, UserError, last_line
+from raytrain_app.lease import Lease
 from raytrain_app.session import cluster_for
 
 DATA_SETS = ("eval", "train")
@@ -76,7 +77,17 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
     if data_set not in DATA_SETS:
         raise UserError(f"--data-set must be one of {', '.join(DATA_SETS)}, got {data_set}")
     loaded = Loaded.find(run_dir, checkpoint_name, workers)
-    evaluations = storage.join(storage.parent(loaded.directory), "evaluations")  # checkpoints are in the run dir
+    run = storage.parent(loaded.directory)  # Ray keeps checkpoints in the run directory
+    held = Lease.acquire(run, "evaluate", lambda line: echo(f"warning: {line}"))  # it writes evaluations/
+    try:
+        return _evaluate(loaded, run, data_set, address, verbose, echo, data)
+    finally:
+        held.release()
+
+
+def _evaluate(loaded: "Loaded", run: str, data_set: str, address: Optional[str], verbose: bool,
+              echo: Callable[[str], None], data: Optional[str]) -> dict:
+    evaluations = storage.join(run, "evaluations")
     split = f"file-{posixpath.basename(data).split('.')[0]}" if data else data_set
     out = storage.join(evaluations, f"{loaded.chosen.name}-{split}.json")
     copies = storage.join(evaluations, f".{split}")  # a CSV's rows as Parquet, for the workers

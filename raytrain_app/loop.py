@@ -14,12 +14,14 @@ The task (`tasks.py`) decides what a step optimises and what evaluation measures
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -36,10 +38,11 @@ from raytrain_app.data import (build_datasets, class_count, eval_loader, keep_on
                                to_device, train_loader)
 from raytrain_app.data.preprocess import recipe
 from raytrain_app.early_stopping import EarlyStopping
+from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.metrics import EpochMetrics, Sums, Totals, global_max
 from raytrain_app.models import build_model, places_itself
 from raytrain_app.nonfinite import LossCheck, NonFiniteLoss
-from raytrain_app.optim import build_optimizer, build_schedule
+from raytrain_app.optim import build_optimizer, build_schedule, extend_schedule
 from raytrain_app.reporter import Reporter
 from raytrain_app.state import TrainState
 from raytrain_app.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
@@ -138,10 +141,14 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
         restored, saved_layout = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device,
                                                                 run_dir, report.warn)
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
+        extended = extend_schedule(optimizer, state.scheduler, steps_per_epoch, tc.epochs, job.schedule.on_extend)
+        if extended:
+            report.say(extended)
         for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0):
             report.warn(warning)
     trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
-    after_step = AfterStep(job, about, rank, step.loss_check, report, trackers, {**marks, "ready": time.time()})
+    after_step = AfterStep(job, about, rank, run_dir, step.loss_check, report, trackers,
+                           {**marks, "ready": time.time()})
 
     try:
         for epoch in range(state.epoch, tc.epochs):
@@ -161,7 +168,7 @@ def _run(job: JobConfig, run_dir: str, rank: int, world_size: int, node: str, de
             # The same decision on every rank: it reads all-reduced metrics.
             stop = state.early_stopping.update(metrics) if state.early_stopping else None
             save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
-            report_to_ray(metrics, state, rank, about if save else None)
+            report_to_ray(metrics, state, rank, about if save else None, run_dir)
             report.epoch(metrics)
             trackers.epoch(metrics)
             if stop:
@@ -292,9 +299,10 @@ class AfterStep:
     (at a fresh run's first step), the trackers get their step-level point, and every
     `checkpoint.every_steps` steps a mid-epoch checkpoint records the position within the epoch."""
 
-    def __init__(self, job: JobConfig, about: dict, rank: int, loss_check: LossCheck, report: Reporter,
-                 trackers: Trackers, marks: dict):
-        self.job, self.about, self.rank, self.loss_check, self.report = job, about, rank, loss_check, report
+    def __init__(self, job: JobConfig, about: dict, rank: int, run_dir: str, loss_check: LossCheck,
+                 report: Reporter, trackers: Trackers, marks: dict):
+        self.job, self.about, self.rank, self.run_dir = job, about, rank, run_dir
+        self.loss_check, self.report = loss_check, report
         self.trackers, self.marks = trackers, marks
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
@@ -309,18 +317,37 @@ class AfterStep:
             # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
             c = self.job.checkpoint
             report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
-                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.rank, self.about)
+                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.rank, self.about, self.run_dir)
 
 
-def report_to_ray(metrics: dict, state: TrainState, rank: int, about: Optional[dict]) -> None:
+def report_to_ray(metrics: dict, state: TrainState, rank: int, about: Optional[dict], run_dir: str) -> None:
     """Report to Ray Train, with a checkpoint of `state` (and `about` it) when `about` is given:
-    every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint."""
+    every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint.
+    A write that fails (a full disk) is said as such, with the space left, not as Ray's copy error."""
     if about is None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as directory:
-        checkpoint.save(directory, rank, state, about)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        try:
+            checkpoint.save(directory, rank, state, about)
+        except OSError as e:
+            raise CheckpointNotWritten(state.step, f"this worker's staging folder {directory}",
+                                       _write_error(e, directory)) from None
+        try:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        except OSError as e:
+            raise CheckpointNotWritten(state.step, run_dir, _write_error(e, run_dir)) from None
+
+
+def _write_error(e: OSError, where: str) -> str:
+    """"no space left on device (12 MB free)", or the error's own words."""
+    if e.errno is None:
+        return last_line(e)
+    cause = os.strerror(e.errno).lower()
+    if e.errno == errno.ENOSPC and "://" not in where:
+        with suppress(OSError):
+            cause += f" ({shutil.disk_usage(where).free / 2**20:.0f} MB free)"
+    return cause
 
 
 class Precision:

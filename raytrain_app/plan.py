@@ -11,15 +11,14 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from raytrain_app import registry, storage, tracking
 from raytrain_app.config import JobConfig, metric_mode, updated
 from raytrain_app.errors import ConfigError, UserError
+from raytrain_app.lease import Lease
+from raytrain_app.rundir import SNAPSHOT
 
-# Ray Train V2 writes this into the run directory after every checkpoint; its presence means
-# there is something to resume, and that a fresh run must not reuse the directory.
-CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,7 @@ class RunPlan:
     run_dir: str  # absolute local path or URI
     resume: bool
     warnings: tuple[str, ...] = ()  # what the user should hear before the run starts
+    lease: Optional[Lease] = None  # the run directory's, held from the plan to the end of the run
 
     @property
     def use_gpu(self) -> bool:
@@ -41,20 +41,40 @@ class RunPlan:
             return os.path.join(self.run_dir, "logs")
         return os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}", "logs", os.path.basename(self.run_dir))
 
-    def upload_logs(self) -> None:
+    def upload_logs(self, warn: Callable[[str], None]) -> None:
+        """The driver's logs into the run directory on object storage; failing to is a warning."""
         if not storage.is_local(self.run_dir) and os.path.isdir(self.log_dir):
-            storage.upload(self.log_dir, storage.join(self.run_dir, "logs"))
+            try:
+                storage.upload(self.log_dir, storage.join(self.run_dir, "logs"))
+            except Exception as e:  # noqa: BLE001 - pyarrow's and the store's errors alike: never the run's outcome
+                warn(f"the driver's logs were not uploaded to {self.run_dir}/logs: {storage.explain(e)}")
 
 
 def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bool, str] = False,
-              source: str = "config") -> RunPlan:
+              source: str = "config", warn: Callable[[str], None] = print, sweep_trial: bool = False) -> RunPlan:
     """`resume` "if_any" continues `run_dir` when it holds a checkpoint and starts it otherwise: the
-    entrypoint of a job that its scheduler may run again (a retried RayJob, a requeued SLURM job)."""
+    entrypoint of a job that its scheduler may run again (a retried RayJob, a requeued SLURM job).
+
+    The plan holds the run directory's lease (`plan.lease`): its caller releases it when the run
+    ends. `warn` hears of a lease taken over from a holder that is gone."""
     config = resolve_auto(config)
     if resume == "if_any" and not run_dir:
         raise UserError("--resume-if-any needs --run-dir: the run it may continue")
     run_dir = storage.normalize(run_dir or _latest_or_new_run_dir(config.name, resume))
-    has_checkpoint = storage.exists(storage.join(run_dir, CHECKPOINT_SNAPSHOT))
+    storage.check_writable(run_dir)
+    # Before anything else looks at the directory: a second writer is refused here, in one line.
+    held = Lease.acquire(run_dir, "sweep trial" if sweep_trial else "train", warn)
+    try:
+        return _checked(config, run_dir, resume, source, held)
+    except BaseException:
+        held.release()
+        raise
+
+
+def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: str, held: Lease) -> RunPlan:
+    """The plan's checks, with the run directory's lease held; nothing in it changes until they pass."""
+    # Ray Train writes its index after every checkpoint: something to resume, and no fresh start here.
+    has_checkpoint = storage.exists(storage.join(run_dir, SNAPSHOT))
     if resume == "if_any":
         resume = has_checkpoint
     if resume and not has_checkpoint:
@@ -65,10 +85,11 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bo
         if config.script:
             check_script(config.script.path)
         else:
-            check_data_and_model(config)
+            model = check_data_and_model(config)
+            if resume:
+                check_resumable(config, run_dir, model)
     except ConfigError as e:
         raise ConfigError(*[f"{source}: {line}" for line in e.lines]) from None
-    storage.check_writable(run_dir)
     if not config.script:
         tracking.check(config.tracking, run_dir)
         config = absolute_paths(config)
@@ -76,7 +97,7 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bo
     if config.strategy.sharded and config.scaling.workers == 1:
         warnings = (f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
                     "unsharded",)
-    return RunPlan(config, run_dir, resume, warnings)
+    return RunPlan(config, run_dir, bool(resume), warnings, held)
 
 
 # The arguments of built-in datasets that name files; relative ones are relative to the launch directory.
@@ -132,7 +153,7 @@ def resolve_auto(config: JobConfig) -> JobConfig:
     return updated(config, {"train": train, "scaling": scaling, "checkpoint": ckpt, "strategy": strategy})
 
 
-def check_data_and_model(config: JobConfig) -> None:
+def check_data_and_model(config: JobConfig):
     """Build the datasets, task and model once on the driver and check that they fit together:
     the builders resolve, their args bind, the model takes the data's inputs, the labels fit the
     task and the model's outputs (a custom step runs once instead), every worker's shard holds a
@@ -180,8 +201,37 @@ def check_data_and_model(config: JobConfig) -> None:
         if metric not in ("auto", "train_loss", "eval_loss", *reported):
             raise UserError(f"checkpoint.metric: {metric} is not a metric of this run (the step reports "
                             f"{', '.join(reported) or 'no metrics of its own'}; or train_loss, eval_loss)")
-        return
+        return model
     task.check(model, data.train, data.eval, registry.label(config.model.name))
+    return model
+
+
+def check_resumable(config: JobConfig, run_dir: str, model) -> None:
+    """The run's latest checkpoint fits the model and strategy the config asks for, or one line
+    naming the difference: found here, a mismatch changes nothing and is never called damage."""
+    from raytrain_app.checkpoint import parameter_shapes
+    from raytrain_app.rundir import kept
+
+    latest = kept(run_dir)[-1]
+    saved, shapes = parameter_shapes(latest.path)
+    was = saved["config"]
+    then, now = was["model"], config.to_dict()["model"]
+    where = f"--resume: {latest.name}"
+    if then["name"] != now["name"]:
+        raise UserError(f"{where} has model {then['name']}, the config says {now['name']}: resume with the model it "
+                        "was trained with, or start a new run")
+    for key in sorted(set(then["args"]) | set(now["args"])):
+        if then["args"].get(key) != now["args"].get(key):
+            raise UserError(f"{where} has model.args.{key} {then['args'].get(key)!r}, the config says "
+                            f"{now['args'].get(key)!r}")
+    built = {name: list(t.shape) for name, t in model.state_dict().items()}
+    for name in sorted(set(shapes) | set(built)):
+        if shapes.get(name) != built.get(name):
+            raise UserError(f"{where} has parameter {name} shaped {shapes.get(name)}, the config's model has "
+                            f"{built.get(name)} (the data's inputs or classes changed?)")
+    if config.strategy.sharded and not saved.get("sharded"):
+        raise UserError(f"{where} was written without sharding, and strategy {config.strategy.name} resumes only "
+                        f"sharded checkpoints: resume under strategy ddp, or start a new run")
 
 
 def check_script(path: str) -> None:

@@ -19,11 +19,14 @@ import posixpath
 from dataclasses import dataclass
 from typing import Optional
 
+import pyarrow.fs as pafs
+
 from raytrain_app import storage
 from raytrain_app.configfile import loads
 from raytrain_app.errors import UserError
 
 METRICS = "metrics.jsonl"
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's index of the checkpoints it completed and kept
 CONFIG = "config.yaml"
 POSITION = "checkpoint.json"  # in each checkpoint: its epoch, step and batch (written with the checkpoint)
 STATE_FILE = "state.pt"  # rank 0's state, which every checkpoint of the built-in loop holds
@@ -96,6 +99,41 @@ def _kept(path: str) -> Kept:
 
         saved = loop_state(path)
     return Kept(path, int(saved["epoch"]), int(saved["step"]), int(saved["batch"]))
+
+
+def remove_partial(run_dir: str) -> list[str]:
+    """Remove what a failed write left (a checkpoint Ray's index does not name, files still under
+    their temporary name); returns their names. Only with the run directory's lease held: a
+    checkpoint being written looks the same."""
+    snapshot = storage.join(run_dir, SNAPSHOT)
+    try:
+        index = json.loads(storage.read_text(snapshot)) if storage.exists(snapshot) else None
+    except ValueError:
+        index = None  # torn: nothing can be told apart, so nothing goes
+    named = set(_values(index, "checkpoint_dir_name")) if index is not None else None
+    fs, inner = storage.filesystem_for(run_dir)
+    removed = []
+    for info in fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_"):
+            if named is not None and info.base_name not in named:
+                fs.delete_dir(info.path)
+                removed.append(info.base_name)
+        elif info.type == pafs.FileType.File and info.base_name.endswith(".tmp"):
+            fs.delete_file(info.path)
+            removed.append(info.base_name)
+    return removed
+
+
+def _values(tree, key: str):
+    """Every value under `key` anywhere in parsed JSON."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k == key and isinstance(v, str):
+                yield v
+            yield from _values(v, key)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _values(v, key)
 
 
 def best_row(rows: list[dict], metric: str, mode: str, epochs: Optional[set[int]] = None) -> Optional[dict]:

@@ -20,7 +20,6 @@ import psutil
 
 from raytrain_app import rundir, storage
 from raytrain_app.errors import UserError
-from raytrain_app.plan import CHECKPOINT_SNAPSHOT
 
 # A process that wrote "running" existed before it wrote it; one created later under the same
 # pid is another process. The slack covers the clock's granularity, not a real delay.
@@ -62,7 +61,7 @@ def _read_run(base: str, name: str) -> Optional[RunInfo]:
     script = bool(config.get("script"))
     epochs = None if script else config.get("train", {}).get("epochs")
     epochs_done = max((row["epoch"] for row in rows if "epoch" in row), default=len(rows) if script else 0)
-    snapshot = storage.exists(storage.join(path, CHECKPOINT_SNAPSHOT))
+    snapshot = storage.exists(storage.join(path, rundir.SNAPSHOT))
     return RunInfo(
         path=path, name=name, started=record.get("started", _started_from_name(name)),
         epochs_done=epochs_done, epochs=epochs,

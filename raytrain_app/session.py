@@ -27,7 +27,7 @@ from raytrain_app.capacity import workers_that_fit
 from raytrain_app.console import route_ray_logs
 from raytrain_app.config import ScalingConfig
 from raytrain_app.dashboard import Dashboard
-from raytrain_app.errors import UserError, last_line
+from raytrain_app.errors import UserError, last_line, one_line
 from raytrain_app.localnodes import running_dir, running_pids
 from raytrain_app.profiles import ClusterProfile, load_profile
 from raytrain_app.rayinternals import reload_auth_config, route_raylet_errors, session_logs_dir
@@ -85,7 +85,7 @@ def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optiona
         yield
     elif choice.address is None:
         with embedded_cluster(max(os.cpu_count() or 1, needed), log_dir=log_dir, verbose=verbose,
-                              dashboard=dashboard, on_node_lost=on_node_lost):
+                              dashboard=dashboard, on_node_lost=on_node_lost, echo=echo):
             yield
     else:
         with connected(choice.address, log_dir, verbose, choice.auth_env):
@@ -133,7 +133,8 @@ def _has_room(dashboard: Dashboard, workers: int, cpus_per_worker: float, gpus_p
 @contextmanager
 def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Optional[str] = None,
                      verbose: bool = False, dashboard: bool = False,
-                     on_node_lost: Optional[Callable[[str], None]] = None) -> Iterator[None]:
+                     on_node_lost: Optional[Callable[[str], None]] = None,
+                     echo: Callable[[str], None] = print) -> Iterator[None]:
     """Start a fresh single-node cluster; never attach to one named in Ray's temp files.
 
     Ray's own logs are copied into `log_dir/ray` when the cluster stops. With a `dashboard` (on a
@@ -171,14 +172,19 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
         _watch.stop()  # before the node stops on purpose
         _watch = None
         ray.shutdown()
-        copy_logs(session_logs, log_dir)
+        copy_logs(session_logs, log_dir, lambda line: echo(f"warning: {line}"))
 
 
-def copy_logs(session_logs: str, log_dir: Optional[str]) -> None:
-    """Ray's session logs into LOG_DIR/ray, where the run keeps them."""
+def copy_logs(session_logs: str, log_dir: Optional[str], warn: Callable[[str], None] = print) -> None:
+    """Ray's session logs into LOG_DIR/ray, where the run keeps them; a copy that fails (a full
+    disk) is a warning, never why a command fails."""
     if log_dir and os.path.isdir(session_logs):
-        shutil.copytree(session_logs, os.path.join(log_dir, "ray"), dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("*.sock", "events", "old"))
+        try:
+            shutil.copytree(session_logs, os.path.join(log_dir, "ray"), dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.sock", "events", "old"))
+        except (OSError, shutil.Error) as e:
+            cause = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e)
+            warn(f"Ray's logs were not all copied to {log_dir}/ray: {one_line(str(cause))[:200]}")
 
 
 # The embedded cluster's watch, while one is up in this process.

@@ -32,6 +32,7 @@ from raytrain_app.config import JobConfig, metric_mode, updated
 from raytrain_app.configfile import loads
 from raytrain_app.errors import TrainingFailed, UserError, last_line
 from raytrain_app.jobs import Submission
+from raytrain_app.lease import Lease
 from raytrain_app.plan import check_data_and_model, make_plan, resolve_auto
 from raytrain_app.profiles import ClusterProfile
 
@@ -223,13 +224,23 @@ def launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], v
     best first, and whether the sweep was interrupted (Ctrl-C: Tune saves its state and stops
     every trial; `--resume` continues). An embedded cluster gets room for as many trials as this
     machine's CPUs (or GPUs) hold; a joined one `node_timeout_s` to reach
-    `min_nodes` (a SLURM allocation's nodes join while the sweep's job starts)."""
+    `min_nodes` (a SLURM allocation's nodes join while the sweep's job starts). The sweep directory's
+    lease is held throughout, as `train` holds a run's."""
+    if not verbose:  # Tune's own tables off: the console gets one line per trial epoch instead
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    held = Lease.acquire(sweep_dir, "sweep", lambda line: echo(f"warning: {line}"))
+    try:
+        return _launch(sweep, sweep_dir, resume, address, verbose, echo, min_nodes, node_timeout_s)
+    finally:
+        held.release()
+
+
+def _launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], verbose: bool,
+            echo: Callable[[str], None], min_nodes: int, node_timeout_s: float) -> tuple[list[Trial], bool]:
     from raytrain_app.capacity import check_workers_fit, connected_nodes, spare_cpus
     from raytrain_app.session import cluster_for
 
     config, s = sweep.config, sweep.config.scaling
-    if not verbose:  # Tune's own tables off: the console gets one line per trial epoch instead
-        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     if not resume:
         sweep.save(sweep_dir)
     # Trials that fit this machine: an embedded cluster's size.
@@ -331,7 +342,11 @@ def _trial(settings: dict, sweep: Sweep, sweep_dir: str) -> None:
 
     run_dir = storage.join(sweep_dir, os.path.basename(tune.get_context().get_trial_dir()))
     config = sweep.trial_config(settings)
-    run_training(make_plan(config, run_dir=run_dir, resume="if_any"), callbacks=[_EpochReports(config.train.epochs)])
+    plan = make_plan(config, run_dir=run_dir, resume="if_any", sweep_trial=True)
+    try:
+        run_training(plan, callbacks=[_EpochReports(config.train.epochs)])
+    finally:
+        plan.lease.release()
 
 
 def _trial_dirname(trial) -> str:

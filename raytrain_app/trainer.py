@@ -26,8 +26,8 @@ from raytrain_app.capacity import check_workers_fit, connected_nodes
 from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.data.raydata import read_train
-from raytrain_app.errors import (TrainingFailed, UserError, describe, describe_rank, last_line, process_died,
-                                  timed_out)
+from raytrain_app.errors import (CheckpointNotWritten, TrainingFailed, UserError, describe, describe_rank, last_line,
+                                  process_died, timed_out)
 from raytrain_app.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.plan import RunPlan
 from raytrain_app.report import Result
@@ -45,6 +45,7 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     """
     config = plan.config
     check_workers_fit(connected_nodes(), config)
+    rundir.remove_partial(plan.run_dir)  # what an earlier run's failed write left, now that we hold the lease
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
     if plan.resume:
@@ -84,12 +85,13 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
                              storage.join(plan.run_dir, "startup.json"))
     listener.start()
     try:
-        result = _fit(trainer, listener, events, restarts, config)
+        result = _fit(trainer, listener, events, restarts, config, plan.run_dir)
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
             raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
     except BaseException as e:
         ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         with suppress(Exception):  # neither may hide why the run ended
+            rundir.remove_partial(plan.run_dir)  # first: on a full disk, that frees the space to say so
             record_status(plan.run_dir, ended, last_line(e))
             tracking.finish(config.tracking, plan.run_dir, "KILLED" if ended == "interrupted" else "FAILED")
         raise
@@ -111,7 +113,8 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
     )
 
 
-def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restarts, config: JobConfig):
+def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restarts, config: JobConfig,
+         run_dir: str):
     try:
         return trainer.fit()
     except BaseException as e:
@@ -119,7 +122,7 @@ def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restar
         # that is what happened, the node watch says so and ends the process (see NodeWatch).
         lost_local_node(wait_s=0.5 if isinstance(e, ray.exceptions.RayActorError) else 0)
         if isinstance(e, ray.train.TrainingFailedError):
-            raise explain_failure(e, config) from None
+            raise explain_failure(e, config, run_dir) from None
         if isinstance(e, (SystemExit, ray.exceptions.RayActorError)):
             # Ray Train's own SIGINT handler aborts the run and raises SystemExit (or, in older
             # versions, kills its controller). An interrupted run is not a successful one.
@@ -336,11 +339,18 @@ def _nonfinite_message(where: dict, latest) -> str:
             f"(lr {where['lr']:.3g}); {then} (train.stop_on_nonfinite: false trains on regardless)")
 
 
-def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig) -> Exception:
+def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig, run_dir: Optional[str] = None) -> Exception:
     """One clause per failed rank: where it ran and its last error line, not Ray's nested tracebacks."""
     failures = getattr(error, "worker_failures", None) or {}
     if failures and all(isinstance(e, UserError) for e in failures.values()):
         return UserError(last_line(next(iter(failures.values()))))
+    unwritten = [e for e in failures.values() if isinstance(e, CheckpointNotWritten)]
+    if unwritten and run_dir:  # a full disk: what was not written, and what is safe
+        rundir.remove_partial(run_dir)
+        good = rundir.kept(run_dir)
+        then = (f"the last good checkpoint is step {good[-1].step}: free space and --resume" if good else
+                "no checkpoint was written before it: free space and start again")
+        return TrainingFailed(f"{unwritten[0]}; {then}")
     if not failures:
         return TrainingFailed(describe(getattr(error, "controller_failure", error)))
     # A rank whose process died is the cause; its peers' Gloo/NCCL connection errors follow from it.

@@ -18,7 +18,8 @@ from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_
 from raytrain_app.models import build_model
 from raytrain_app.nonfinite import LAG, LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.plan import CHECKPOINT_SNAPSHOT, make_plan
+from raytrain_app.plan import make_plan
+from raytrain_app.rundir import SNAPSHOT as CHECKPOINT_SNAPSHOT
 from raytrain_app.state import TrainState
 from raytrain_app.strategy import place
 from tests.gloo import spawn

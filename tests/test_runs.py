@@ -16,7 +16,7 @@ import pytest
 from raytrain_app import rundir, runs
 from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.errors import UserError
-from raytrain_app.plan import CHECKPOINT_SNAPSHOT, make_plan
+from raytrain_app.plan import rundir.SNAPSHOT, make_plan
 
 NOW = time.time()
 
@@ -42,7 +42,7 @@ def make_run(root, name: str, epochs: int = 5, done: int = 5, record: Optional[d
     if record is not None:
         (path / "run.json").write_text(json.dumps(record) + "\n")
     if snapshot:
-        (path / CHECKPOINT_SNAPSHOT).write_text(json.dumps({"checkpoints": [f"checkpoint_{done}"]}))
+        (path / rundir.SNAPSHOT).write_text(json.dumps({"checkpoints": [f"checkpoint_{done}"]}))
     return path
 
 
@@ -176,7 +176,7 @@ def test_script_runs_count_reports_and_plan_no_epochs(tmp_path, status, expected
     (path / "metrics.jsonl").write_text("".join(json.dumps({"report": i, "loss": 1.0 / i}) + "\n" for i in (1, 2, 3)))
     if status:
         (path / "run.json").write_text(json.dumps(record(status)))
-    (path / CHECKPOINT_SNAPSHOT).write_text("{}")  # an older script's run keeps it whether it finished or not
+    (path / rundir.SNAPSHOT).write_text("{}")  # an older script's run keeps it whether it finished or not
     run = only(tmp_path)
     assert (run.epochs_done, run.epochs, run.best, run.status) == (3, None, "-", expected)
     header, line = runs.table([run]).splitlines()
@@ -223,7 +223,7 @@ def test_resume_if_any_starts_a_fresh_run_dir_and_continues_one_with_a_checkpoin
     config = JobConfig.from_dict({"name": "again", "train": {"epochs": 1}})
     assert make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any").resume is False
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / CHECKPOINT_SNAPSHOT).write_text("{}")
+    (tmp_path / "run" / rundir.SNAPSHOT).write_text("{}")
     assert make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any").resume is True
     with pytest.raises(UserError, match="already holds a run"):  # without it, a second start is refused
         make_plan(config, run_dir=str(tmp_path / "run"))

@@ -1,0 +1,256 @@
+"""One writer per run directory: a lease that every command writing into it holds.
+
+`train` (and a job's or a sweep trial's training), `evaluate` and a sweep's driver take
+RUN_DIR/lease.json before anything else touches the directory, and give it back when they end.
+It names the holder (host, pid, command, since when) and carries a heartbeat, renewed every
+HEARTBEAT_S by a thread of the holder. A second writer is refused in one line naming the
+holder, before Ray starts. The lease is taken over, with a warning, when:
+
+- its heartbeat is older than STALE_S (the holder was killed, or its machine went away), or
+  at once when the holder was on this machine and its process is gone;
+- the taker is the same scheduler job (a SLURM requeue keeps SLURM_JOB_ID; a retried Ray job, as
+  KubeRay retries a RayJob, keeps its submission id): the same run, started again.
+
+Taking it is atomic where the store allows: a hard link that fails if the file exists (local
+and network filesystems), S3's conditional writes (If-None-Match to create, If-Match on the
+version read to renew or take over). Other stores (gs://, hdfs://) are written, then read back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import psutil
+
+from raytrain_app import storage
+from raytrain_app.errors import UserError
+
+LEASE = "lease.json"
+HEARTBEAT_S = 10.0
+STALE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    token: str  # this holding, unique
+    host: str
+    pid: int
+    command: str  # train, evaluate, sweep
+    job: Optional[str]  # the scheduler job it runs in (slurm:ID, ray-job:ID), which a restart keeps
+    since: float
+    heartbeat: float
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.host} ({self.command}) since {time.strftime('%H:%M', time.localtime(self.since))}"
+
+
+def scheduler_job() -> Optional[str]:
+    """The scheduler job this process runs in, as it is after a requeue or a retry."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by the Jobs API for an entrypoint
+    if config:
+        try:
+            return f"ray-job:{json.loads(config)['metadata']['job_submission_id']}"
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
+class Lease:
+    """A held lease: renewed by a heartbeat thread until `release`."""
+
+    def __init__(self, run_dir: str, holder: Holder, version: Optional[str]):
+        self.path = storage.join(run_dir, LEASE)
+        self.holder, self.version = holder, version
+        self.lost: Optional[Holder] = None  # who took it while we held it (our process was stopped)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="raytrain-lease")
+
+    @classmethod
+    def acquire(cls, run_dir: str, command: str, warn: Callable[[str], None]) -> "Lease":
+        """Take the run directory's lease, or a UserError naming who holds it."""
+        path = storage.join(run_dir, LEASE)
+        now = time.time()
+        mine = Holder(uuid.uuid4().hex, socket.gethostname(), os.getpid(), command, scheduler_job(), now, now)
+        created = _create(path, mine)
+        if created is not None:
+            return cls(run_dir, mine, created)._started()
+        held, version = _read(path)
+        if held is None:  # released between our two looks
+            return cls.acquire(run_dir, command, warn)
+        why = _stale(held, mine)
+        if why is None:
+            raise UserError(f"run dir {run_dir} is in use by {held.describe()}; if that process is gone, "
+                            f"--resume takes over after {STALE_S:.0f} s")
+        replaced = _replace(path, mine, version)
+        if replaced is None:
+            raise UserError(f"run dir {run_dir} was just taken by another command as well; try again")
+        if why:
+            warn(f"took over the lease of {run_dir} from {held.describe()}: {why}")
+        return cls(run_dir, mine, replaced)._started()
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease, if it is still ours."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        held, _ = _read(self.path)
+        if held is not None and held.token == self.holder.token:
+            _delete(self.path)
+
+    def _started(self) -> "Lease":
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                held, version = _read(self.path)
+                if held is None or held.token != self.holder.token:
+                    self.lost = held
+                    return
+                self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
+                self.version = _replace(self.path, self.holder, version)
+            except Exception:  # noqa: BLE001 - a store that hiccups: the next beat tries again
+                continue
+
+
+def _stale(held: Holder, taker: Optional[Holder]) -> Optional[str]:
+    """Why `held` may be taken over ("" for the same job started again), or None while it stands."""
+    if taker is not None and held.job is not None and held.job == taker.job:
+        return ""
+    age = time.time() - held.heartbeat
+    if age > STALE_S:
+        return f"no heartbeat for {age:.0f} s"
+    if held.host == socket.gethostname() and not _alive(held.pid, held.since):
+        return "its process is gone"
+    return None
+
+
+def _alive(pid: int, since: float) -> bool:
+    """The process that took the lease at `since` still runs (not a later one under its pid)."""
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() <= since + 1 and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ---- the store: create if absent, read with a version, replace if unchanged ------------------
+
+def _encode(holder: Holder) -> bytes:
+    return (json.dumps(asdict(holder)) + "\n").encode()
+
+
+def _read(path: str) -> tuple[Optional[Holder], Optional[str]]:
+    """The holder and the version read (S3's ETag; elsewhere the token), or (None, None)."""
+    if _is_s3(path):
+        bucket, key = _s3_key(path)
+        try:
+            got = _s3().get_object(Bucket=bucket, Key=key)
+        except _s3().exceptions.NoSuchKey:
+            return None, None
+        return _decode(got["Body"].read()), got["ETag"]
+    if not storage.exists(path):
+        return None, None
+    try:
+        holder = _decode(storage.read_bytes(path))
+    except FileNotFoundError:
+        return None, None
+    return holder, holder.token if holder else None
+
+
+def _decode(data: bytes) -> Optional[Holder]:
+    try:
+        return Holder(**json.loads(data))
+    except (ValueError, TypeError):  # torn or foreign: nobody's lease
+        return None
+
+
+def _create(path: str, holder: Holder) -> Optional[str]:
+    """Write the lease if there is none; its version, or None when one exists."""
+    if _is_s3(path):
+        bucket, key = _s3_key(path)
+        try:
+            return _s3().put_object(Bucket=bucket, Key=key, Body=_encode(holder), IfNoneMatch="*")["ETag"]
+        except _s3().exceptions.ClientError as e:
+            if _precondition(e):
+                return None
+            raise
+    if storage.is_local(path):
+        local = storage.normalize(path)
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        staged = f"{local}.{holder.token}.tmp"
+        with open(staged, "wb") as f:
+            f.write(_encode(holder))
+        try:
+            os.link(staged, local)  # fails if the lease exists: atomic, also on network filesystems
+        except FileExistsError:
+            return None
+        finally:
+            os.unlink(staged)
+        return holder.token
+    if storage.exists(path):
+        return None
+    return _replace(path, holder, None)
+
+
+def _replace(path: str, holder: Holder, version: Optional[str]) -> Optional[str]:
+    """Overwrite the lease read at `version` with `holder`; the new version, or None when it
+    changed since (another writer got there first)."""
+    if _is_s3(path):
+        bucket, key = _s3_key(path)
+        try:
+            return _s3().put_object(Bucket=bucket, Key=key, Body=_encode(holder), IfMatch=version)["ETag"]
+        except _s3().exceptions.ClientError as e:
+            if _precondition(e):
+                return None
+            raise
+    current, _ = _read(path)
+    if current is not None and current.token != version:
+        return None
+    storage.write_text(path, _encode(holder).decode())  # written whole, then renamed into place
+    current, _ = _read(path)
+    return holder.token if current is not None and current.token == holder.token else None
+
+
+def _delete(path: str) -> None:
+    fs, inner = storage.filesystem_for(path)
+    try:
+        fs.delete_file(inner)
+    except (OSError, FileNotFoundError):
+        pass
+
+
+def _is_s3(path: str) -> bool:
+    return path.startswith("s3://")
+
+
+def _s3_key(path: str) -> tuple[str, str]:
+    bucket, _, key = path.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+_clients: dict = {}
+
+
+def _s3():
+    """boto3's S3 client, from the environment pyarrow reads too (keys, region, AWS_ENDPOINT_URL)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or None
+    if endpoint not in _clients:
+        import boto3
+
+        _clients[endpoint] = boto3.client("s3", endpoint_url=endpoint)
+    return _clients[endpoint]
+
+
+def _precondition(e) -> bool:
+    return e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict", "412")

@@ -1,0 +1,222 @@
+"""One writer per run directory, and nothing lost on a full disk or a wrong resume.
+
+Real processes on one run directory (the lease), a real S3-compatible server (its conditional
+writes), a real tmpfs that fills up at a checkpoint, and LR curves read off the scheduler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import raytrain_app
+from raytrain_app import lease, rundir
+from raytrain_app.config import ScheduleConfig, load_config
+from raytrain_app.errors import UserError
+from raytrain_app.lease import Holder, Lease
+from raytrain_app.optim import build_schedule, extend_schedule
+from raytrain_app.plan import make_plan
+from tests.commands import command
+from tests.conftest import REPO
+
+DIGITS = f"{REPO}/examples/digits.yaml"
+QUIET = {"echo": lambda line: None}
+
+
+def files_of(run_dir: Path) -> dict[str, str]:
+    """Every file of a run directory and its SHA-256: what a refused command must not change."""
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_second_train_on_a_run_dir_in_use_is_refused_and_the_first_run_is_untouched(ray_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    first: dict = {}
+    training = threading.Thread(target=lambda: first.update(result=raytrain_app.fit(
+        DIGITS, run_dir=str(run_dir), overrides=["train.epochs=4", "checkpoint.every_epochs=1"], **QUIET)))
+    training.start()
+    refused = []
+    for after in (1, 12):  # during start-up, and once it trains
+        time.sleep(after - (1 if after == 12 else 0))
+        refused.append(command(["train", DIGITS, "--run-dir", str(run_dir)], tmp_path))
+        assert training.is_alive(), "the first run ended before the second command was tried"
+    training.join(timeout=240)
+    holder = f"pid {os.getpid()} on host {socket.gethostname()} (train) since "
+    for proc in refused:
+        assert proc.returncode == 2 and proc.seconds < 10, proc
+        [line] = proc.stderr.splitlines()
+        assert line.startswith(f"error: run dir {run_dir} is in use by {holder}"), line
+        assert line.endswith("if that process is gone, --resume takes over after 60 s"), line
+    result = first["result"]
+    assert [row["epoch"] for row in result.metrics] == [1, 2, 3, 4]  # no epoch rewritten, none lost
+    assert json.loads((run_dir / "run.json").read_text())["pid"] == os.getpid()
+    assert not (run_dir / lease.LEASE).exists()  # given back at the end
+    assert not (run_dir / "restarts.jsonl").exists()  # nobody resumed it
+
+
+def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, monkeypatch):
+    path = str(tmp_path / lease.LEASE)
+    now = time.time()
+    elsewhere = Holder("t1", "gpu-node-7", 4242, "train", None, now - 600, now - 5)
+    lease._create(path, elsewhere)
+    with pytest.raises(UserError, match=r"in use by pid 4242 on host gpu-node-7 \(train\) since"):
+        Lease.acquire(str(tmp_path), "train", print)
+    stale = Holder(**{**elsewhere.__dict__, "heartbeat": now - lease.STALE_S - 1})
+    lease._replace(path, stale, "t1")
+    said = []
+    held = Lease.acquire(str(tmp_path), "train", said.append)
+    assert said and said[0].startswith(f"took over the lease of {tmp_path} from pid 4242 on host gpu-node-7")
+    assert said[0].endswith("no heartbeat for 61 s")
+    held.release()
+    assert not os.path.exists(path)
+
+    # A SLURM requeue runs the same job id on another node: its lease is its own, taken at once.
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    lease._create(path, Holder("t2", "gpu-node-8", 99, "train", "slurm:777", now, time.time()))
+    said.clear()
+    held = Lease.acquire(str(tmp_path), "train", said.append)
+    assert held.holder.job == "slurm:777" and said == []
+    held.release()
+
+    # On this host, a holder whose process is gone is gone: no need to wait for its heartbeat to age.
+    monkeypatch.delenv("SLURM_JOB_ID")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lease._create(path, Holder("t3", socket.gethostname(), gone.pid, "train", None, now, time.time()))
+    held = Lease.acquire(str(tmp_path), "evaluate", said.append)
+    assert said[-1].endswith("its process is gone")
+    held.release()
+
+
+def test_on_object_storage_one_of_two_racing_writers_gets_the_lease(s3, monkeypatch):
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    run_dir = f"s3://{s3.bucket}/leases/run-{os.getpid()}"
+
+    def take(_):
+        try:
+            return Lease.acquire(run_dir, "train", print)
+        except UserError as e:
+            return e
+
+    with ThreadPoolExecutor(4) as pool:  # four at once: S3's If-None-Match lets exactly one create it
+        outcomes = list(pool.map(take, range(4)))
+    won = [o for o in outcomes if isinstance(o, Lease)]
+    assert len(won) == 1, outcomes
+    assert all("is in use by" in str(o) or "just taken" in str(o) for o in outcomes if o not in won)
+    stored = json.loads(s3.client().get_object(Bucket=s3.bucket, Key=f"leases/run-{os.getpid()}/lease.json")
+                        ["Body"].read())
+    assert stored["token"] == won[0].holder.token
+    with pytest.raises(UserError, match="is in use by"):
+        make_plan(load_config(DIGITS), run_dir=run_dir)  # `train` is refused before anything starts
+    won[0].release()
+    assert s3.keys(f"leases/run-{os.getpid()}/lease.json") == []
+    Lease.acquire(run_dir, "train", print).release()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs: room for the digits LeNet's first checkpoint (0.5 MB), not for a second."""
+    if os.geteuid() != 0 and os.environ.get("CI") != "true":
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)  # a pooled Ray worker may still hold its log
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_leaves_nothing_partial_and_resume_is_bitwise(ray_cluster,
+                                                                                               small_disk, tmp_path):
+    sets = ["train.epochs=3", "checkpoint.every_epochs=1"]
+    reference = raytrain_app.fit(DIGITS, run_dir=str(tmp_path / "whole"), overrides=sets, **QUIET)
+    run_dir = small_disk / "run"
+    with pytest.raises(raytrain_app.TrainingFailed) as failed:
+        raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=sets, **QUIET)
+    first = rundir.kept(str(run_dir))
+    assert [c.epoch for c in first] == [1]
+    assert str(failed.value).startswith(f"checkpoint at step {2 * first[0].step} could not be written to {run_dir}: "
+                                        "no space left on device (")
+    assert str(failed.value).endswith(f"; the last good checkpoint is step {first[0].step}: free space and --resume")
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == [first[0].name]  # the partial one: gone
+    assert not list(run_dir.rglob("*.tmp"))
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["reason"] == str(failed.value)
+
+    # A resume with another model is refused before Ray starts, and changes nothing.
+    before = files_of(run_dir)
+    with pytest.raises(UserError) as refused:
+        make_plan(load_config(DIGITS, [*sets, "model.name=mlp"]), run_dir=str(run_dir), resume=True)
+    assert str(refused.value) == f"--resume: {first[0].name} has model lenet, the config says mlp: resume with the " \
+                                 "model it was trained with, or start a new run"
+    proc = command(["train", DIGITS, "--run-dir", str(run_dir), "--resume", *sum((["--set", s] for s in sets), []),
+                    "--set", "model.args={hidden: [16]}", "--set", "model.name=mlp"], tmp_path)
+    assert proc.returncode == 2 and "has model lenet, the config says mlp" in proc.stderr and proc.seconds < 15
+    assert files_of(run_dir) == before
+
+    # With room again, --resume continues from the last good checkpoint, bitwise.
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    resumed = raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=sets, resume=True, **QUIET)
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3]
+    ours, theirs = (torch.load(Path(r.final_checkpoint) / "state.pt", weights_only=True)["model"]
+                    for r in (resumed, reference))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_model_that_does_not_fit_the_checkpoint_is_named_not_called_damage(ray_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = ["train.epochs=1", "model.name=mlp", "model.args={hidden: [32]}"]
+    raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=sets, **QUIET)
+    name = rundir.kept(str(run_dir))[-1].name
+    before = files_of(run_dir)
+    with pytest.raises(UserError) as other_args:
+        make_plan(load_config(DIGITS, [*sets, "model.args={hidden: [16]}"]), run_dir=str(run_dir), resume=True)
+    assert str(other_args.value) == f"--resume: {name} has model.args.hidden [32], the config says [16]"
+    with pytest.raises(UserError) as other_inputs:  # the same builder and args, 8x8 inputs instead of 28x28
+        make_plan(load_config(DIGITS, [*sets, "data.args={}"]), run_dir=str(run_dir), resume=True)
+    assert str(other_inputs.value) == (f"--resume: {name} has parameter 1.weight shaped [32, 784], the config's "
+                                       "model has [32, 64] (the data's inputs or classes changed?)")
+    assert files_of(run_dir) == before
+
+
+@pytest.mark.parametrize("how", ["continue", "restart"])
+def test_extending_a_run_bends_the_lr_schedule_as_on_extend_says(how):
+    """3 epochs of 10 steps planned, resumed at step 20 with 5: the LR curve after the resume."""
+    config = ScheduleConfig(warmup_epochs=1, on_extend=how)
+    param = [torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD(param, lr=0.1)
+    schedule = build_schedule(optimizer, config, 10, 3)
+    for _ in range(20):
+        optimizer.step()
+        schedule.step()
+    at_20 = optimizer.param_groups[0]["lr"]
+    saved = schedule.state_dict()
+
+    optimizer = torch.optim.SGD(param, lr=0.1)
+    schedule = build_schedule(optimizer, config, 10, 5)
+    schedule.load_state_dict(saved)  # as a checkpoint restores it: the curve it was on
+    said = extend_schedule(optimizer, schedule, 10, 5, how)
+    assert said.startswith("the learning rate schedule's last step moves from 30 to 50") and how in said
+    curve = [optimizer.param_groups[0]["lr"]]
+    for _ in range(30):
+        optimizer.step()
+        schedule.step()
+        curve.append(optimizer.param_groups[0]["lr"])
+    assert curve[-1] == pytest.approx(0.0, abs=1e-12)  # the new end
+    if how == "continue":  # no jump: from the LR it had, down a cosine over the 30 steps left
+        assert curve[0] == pytest.approx(at_20)
+        assert curve[15] == pytest.approx(at_20 * 0.5)
+        assert all(a >= b for a, b in zip(curve, curve[1:]))
+    else:  # warmup again (10 steps), then a cosine over the 20 after it
+        assert curve[:3] == pytest.approx([0.01, 0.02, 0.03]) and curve[9] == pytest.approx(0.1)
+        assert curve[20] == pytest.approx(0.05)
