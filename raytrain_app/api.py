@@ -58,6 +58,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
 def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s):
     """The planned run on its cluster."""
     from raytrain_app.capacity import spare_cpus
+    from raytrain_app.console import count
     from raytrain_app.session import cluster_for
 
     # torch loads before Ray connects (a job's checks have loaded it already; a script's have
@@ -66,7 +67,7 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
     marks["planned"] = time.time()
     s = plan.config.scaling
     what = plan.config.script.path if plan.config.script else f"{s.backend}, {plan.config.train.precision}"
-    echo(f"run {plan.run_dir}: {s.workers} workers, {what}")
+    echo(f"run {plan.run_dir}: {count(s.workers, 'worker')}, {what}")
     for warning in plan.warnings:
         echo(f"warning: {warning}")
 

@@ -166,17 +166,17 @@ def submit(follow, dry_run, **job):
 def _send(sub, follow: bool, dry_run: bool) -> None:
     """`submit`'s and `sweep --cluster`'s end: the plan shown, or the job sent to SLURM or to the
     Jobs API, and followed to its end."""
-    from raytrain_app.console import summary_table
+    from raytrain_app.console import count, summary_table
     from raytrain_app.dashboard import Dashboard
     from raytrain_app import jobs, slurm
 
     if dry_run:
         click.echo(summary_table(sub.describe()))
         return
-    what = "a sweep" if sub.sweep else f"{sub.config.scaling.workers} workers"
+    what = "a sweep" if sub.sweep else count(sub.config.scaling.workers, "worker")
     if sub.profile.kind == "slurm":
         job_id = slurm.submit(sub)
-        click.echo(f"submitted SLURM job {job_id} ({what} on {sub.nodes} nodes); run directory {sub.run_dir}")
+        click.echo(f"submitted SLURM job {job_id} ({what} on {count(sub.nodes, 'node')}); run directory {sub.run_dir}")
         click.echo(f"output: {slurm.log_file(sub.profile, job_id)}")
         if follow:
             _exit_with(job_id, slurm.follow(sub.profile, job_id, _chunk), "COMPLETED")

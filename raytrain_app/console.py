@@ -50,8 +50,18 @@ def eval_metrics(m: dict) -> list[tuple[str, str]]:
     shown = []
     for key, value in m.items():
         if key.startswith("eval_") and key not in ("eval_loss", "eval_samples"):
-            shown.append((key, f"{value * 100:6.2f}%" if key in PERCENTAGES else f"{value:.4f}"))
+            shown.append((key, metric_value(key, value).rjust(7 if key in PERCENTAGES else 0)))
     return shown
+
+
+def count(n: int, noun: str) -> str:
+    """"1 worker", "2 workers"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def metric_value(key: str, value: float) -> str:
+    """A metric as the console shows it everywhere: shares as percentages, the rest as numbers."""
+    return f"{value * 100:.2f}%" if key in PERCENTAGES else f"{value:.4f}"
 
 
 PERCENTAGES = {"eval_accuracy", "eval_top5"}

@@ -7,6 +7,7 @@ Everything here goes through Ray's own HTTP endpoints (`/api/version`, the state
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional
 
 import requests
@@ -29,8 +30,10 @@ class Dashboard:
     def get(self, path: str):
         try:
             response = requests.get(self.address + path, headers=self.headers, timeout=self.timeout_s)
-        except requests.RequestException:
-            raise UserError(f"cannot reach the Ray cluster at {self.address} within {self.timeout_s:g}s") from None
+        except requests.Timeout:
+            raise UserError(f"cannot reach the Ray cluster at {self.address}: no answer within {self.timeout_s:g}s") from None
+        except requests.RequestException as e:  # refused, unresolvable: said at once, and so
+            raise UserError(f"cannot reach the Ray cluster at {self.address}: {_why(e)}") from None
         if response.status_code in (401, 403):
             raise UserError(f"the Ray cluster at {self.address} refused the token ({response.status_code}): "
                             "check the profile's auth.token_env / auth.token_file")
@@ -91,3 +94,13 @@ def reachable(address: str, headers: Optional[dict] = None, timeout_s: float = 2
         return requests.get(address + "/api/version", headers=headers or {}, timeout=timeout_s).ok
     except requests.RequestException:
         return False
+
+
+def _why(e: Exception) -> str:
+    """The socket's own words under requests' wrapping (connection refused, name not known)."""
+    cause = e
+    while cause.__context__ is not None or cause.__cause__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    text = str(cause)
+    found = re.search(r"\[Errno -?\d+\] ([^')\]]+)", text)
+    return found.group(1).strip().lower() if found else "no connection"

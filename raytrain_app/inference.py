@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 from raytrain_app import checkpoint, rundir, storage
 from raytrain_app.config import JobConfig, updated
+from raytrain_app.console import count
 from raytrain_app.data import tables
 from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.errors import TrainingFailed, UserError, last_line
@@ -98,7 +99,7 @@ def _evaluate(loaded: "Loaded", run: str, data_set: str, address: Optional[str],
 
     s = loaded.job.scaling
     echo(f"evaluating {loaded.chosen.name} ({loaded.chosen.why}) on {shown or f'the {data_set} split'}: "
-         f"{s.workers} workers")
+         f"{count(s.workers, 'worker')}")
     with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo), tempfile.TemporaryDirectory() as scratch:
         trainer = TorchTrainer(
             functools.partial(evaluate_per_worker, loaded, data_set, rows, out),
@@ -219,8 +220,8 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
     fs, path = storage.filesystem_for(source)
     groups = pq.ParquetFile(fs.open_input_file(path)).metadata.num_row_groups
     s = loaded.job.scaling
-    echo(f"predicting {input_path} with {loaded.chosen.name} ({loaded.chosen.why}): {groups} row groups over "
-         f"{s.workers} workers")
+    echo(f"predicting {input_path} with {loaded.chosen.name} ({loaded.chosen.why}): {count(groups, 'row group')} over "
+         f"{count(s.workers, 'worker')}")
     with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo):
         task = ray.remote(predict_row_groups).options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker)
         try:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_app.config import JobConfig
-from raytrain_app.console import eval_metrics, summary_table
+from raytrain_app.console import eval_metrics, metric_value, summary_table
 
 
 @dataclass
@@ -46,7 +46,8 @@ def summary(result: Result) -> str:
         ("final train_loss", f"{last.get('train_loss', float('nan')):.4f}"),
         ("final eval_loss", f"{last.get('eval_loss', float('nan')):.4f}"),
         *((f"final {name}", text.strip()) for name, text in eval_metrics(last)),
-        (f"best {c.checkpoint.metric}", f"{best.get(c.checkpoint.metric, float('nan')):.4f} (epoch {best.get('epoch', '-')})"),
+        (f"best {c.checkpoint.metric}", f"{metric_value(c.checkpoint.metric, best.get(c.checkpoint.metric, float('nan')))} "
+                                        f"(epoch {best.get('epoch', '-')})"),
         ("best checkpoint", result.best_checkpoint or "-"),
         ("throughput", f"{last.get('samples_per_s', 0):,.0f} samples/s"),
     ]

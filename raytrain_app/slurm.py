@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from raytrain_app import storage
+from raytrain_app.console import count
 from raytrain_app.errors import UserError, last_line
 from raytrain_app.jobs import CONFIG_ENV, Submission, write_files
 from raytrain_app.profiles import PORT_BLOCK, ClusterProfile
@@ -63,9 +64,9 @@ steps+=($!)
     node_ip = (f'--node-ip-address="$(ip -o -4 addr show dev {p.socket_ifname} | '
                "awk '{sub(\"/.*\", \"\", $4); print $4; exit}')\"" if p.socket_ifname else "")
     slots = (p.port_max - p.port_min + 1) // PORT_BLOCK
-    what = f"a sweep, {sub.sweep}," if sub.sweep else f"{s.workers} workers"
+    what = f"a sweep, {sub.sweep}," if sub.sweep else count(s.workers, "worker")
     return f"""#!/bin/bash
-# {sub.config.name}: {what} on {sub.nodes} nodes, written by raytrain-app.
+# {sub.config.name}: {what} on {count(sub.nodes, "node")}, written by raytrain-app.
 # Submit with: mkdir -p {log_dir(sub.profile)} && sbatch {SCRIPT_NAME}
 # The run directory: {sub.run_dir}
 {chr(10).join(f"#SBATCH {shlex.quote(option)}" for option in options)}

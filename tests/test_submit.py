@@ -246,7 +246,7 @@ def test_a_sweep_submitted_to_the_cluster_runs_its_trials_on_both_nodes_and_best
     (tmp_path / "best.yaml").write_text(stored("best.yaml"))
     again = cli("train", str(tmp_path / "best.yaml"), "--run-dir", str(tmp_path / "again"))
     assert again.returncode == 0 and f"using the running local cluster '{profile.name}'" in again.stdout, again.stderr
-    assert re.search(rf"best eval_accuracy +{float(best_row[1]):.4f} ", again.stdout), (best_row, again.stdout)
+    assert re.search(rf"best eval_accuracy +{float(best_row[1]) * 100:.2f}% ", again.stdout), (best_row, again.stdout)
 
 
 def test_the_dashboard_and_jobs_api_listen_on_loopback_only(two_nodes):
@@ -309,9 +309,12 @@ def test_unreachable_cluster_fails_within_its_timeout(tmp_path):
     start = time.monotonic()
     proc = cli("submit", "examples/digits.yaml", "--cluster", profile)
     assert proc.returncode == 2
-    assert f"cannot reach the Ray cluster at http://127.0.0.1:{port} within 2s" in proc.stderr
+    assert f"cannot reach the Ray cluster at http://127.0.0.1:{port}: no answer within 2s" in proc.stderr
     assert time.monotonic() - start < 12
     server.close()
+    # Nothing listening: refused at once, and said so (not "within 2s" after a fraction of a second).
+    proc = cli("submit", "examples/digits.yaml", "--cluster", profile)
+    assert proc.returncode == 2 and f"at http://127.0.0.1:{port}: connection refused" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("fields, message", [
