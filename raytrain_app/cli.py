@@ -620,6 +620,7 @@ def cluster_status(profile_file):
       raytrain-app cluster status cluster/aws-gpu.yaml
     """
     from raytrain_app import jobs, slurm
+    from raytrain_app.console import count
     from raytrain_app.dashboard import Dashboard
 
     with _command():
@@ -640,7 +641,7 @@ def cluster_status(profile_file):
         def available(kind: str, nodes) -> str:
             return f"{sum(max(free[n.node_id][kind], 0.0) for n in nodes):g}"
 
-        click.echo(f"cluster '{profile.name}' at {profile.jobs_address}: {len(nodes)} nodes, "
+        click.echo(f"cluster '{profile.name}' at {profile.jobs_address}: {count(len(nodes), 'node')}, "
                    f"{available('CPU', nodes)}/{sum(n.cpus for n in nodes):g} CPUs free, "
                    f"{available('GPU', nodes)}/{sum(n.gpus for n in nodes):g} GPUs free")
         for n in nodes:

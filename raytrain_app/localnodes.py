@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -22,11 +24,13 @@ from typing import Callable
 
 import psutil
 
-from raytrain_app.dashboard import Dashboard, reachable
+from raytrain_app.console import count
+from raytrain_app.dashboard import Dashboard
 from raytrain_app.errors import UserError
-from raytrain_app.profiles import ClusterProfile
+from raytrain_app.profiles import PORTS, PORTS_FILE, ClusterProfile, user_runtime_dir
 
 NODES_FILE = "raytrain-nodes.json"
+PORT_RANGE = (10000, 32000)  # where free ports are chosen: below the kernel's ephemeral range (32768+)
 START_TIMEOUT_S = 90
 STOP_TIMEOUT_S = 5
 
@@ -34,7 +38,7 @@ STOP_TIMEOUT_S = 5
 def running_dir() -> Path:
     """Where `cluster up` records the local clusters it started, one file per profile name holding
     the profile's path, so that `train` can join one instead of starting its own."""
-    return Path(os.environ.get("RAYTRAIN_RUNNING_DIR") or f"/tmp/raytrain-{os.getuid()}/running")
+    return Path(os.environ.get("RAYTRAIN_RUNNING_DIR") or os.path.join(user_runtime_dir(), "running"))
 
 
 def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
@@ -42,19 +46,18 @@ def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
     if profile.launcher:
         _launcher("up", profile)
         return
+    temp = Path(profile.temp_dir)
+    _own_folder(temp)
     if running_pids(profile):
         raise UserError(f"cluster '{profile.name}' is already up ({profile.jobs_address}); "
                         f"`raytrain-app cluster down {profile.source}` stops it")
-    if reachable(profile.jobs_address):
-        raise UserError(f"{profile.jobs_address} already answers: another cluster uses local.dashboard_port "
-                        f"{profile.local.dashboard_port}; give this profile its own ports")
+    ports = _choose_ports(profile)
+    (temp / PORTS_FILE).write_text(json.dumps(ports))
     env = _node_env(profile)
-    temp = Path(profile.temp_dir)
-    temp.mkdir(parents=True, exist_ok=True)
     nodes: list[psutil.Process] = []
     try:
         for i in range(profile.nodes):
-            nodes.append(_start_node(profile, i, env, temp))
+            nodes.append(_start_node(profile, i, env, temp, ports))
             _record(profile, nodes)
             _wait_for(profile, nodes=i + 1, node=nodes[-1], log=temp / f"node-{i}.log")
             echo(f"node {i} up ({'head' if i == 0 else 'worker'}, pid {nodes[-1].pid})")
@@ -64,7 +67,7 @@ def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
     running = running_dir()
     running.mkdir(parents=True, exist_ok=True)
     (running / f"{profile.name}.json").write_text(json.dumps({"profile": os.path.abspath(profile.source)}))
-    echo(f"cluster '{profile.name}' is up: {profile.nodes} nodes, Jobs API at {profile.jobs_address}")
+    echo(f"cluster '{profile.name}' is up: {count(profile.nodes, 'node')}, Jobs API at {profile.jobs_address}")
 
 
 def cluster_down(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
@@ -78,7 +81,7 @@ def cluster_down(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
         _forget(profile)
         return
     stopped = stop_nodes(profile, leaders)
-    echo(f"cluster '{profile.name}' is down ({stopped} node processes stopped)")
+    echo(f"cluster '{profile.name}' is down ({count(stopped, 'node')} stopped)")
 
 
 def _check_startable(profile: ClusterProfile, verb: str) -> None:
@@ -143,23 +146,74 @@ def ray_executable() -> str:
     return beside if os.path.exists(beside) else (shutil.which("ray") or "ray")
 
 
-def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path) -> psutil.Process:
+def _own_folder(temp: Path) -> None:
+    """The cluster's temp dir, this user's alone (0700): Ray's sockets, logs and the node records
+    are in it. One that another user owns is refused, not shared."""
+    for folder in (temp.parent, temp) if temp.parent.name.startswith("raytrain") else (temp,):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = folder.stat().st_uid
+        if owner != os.getuid():
+            raise UserError(f"{folder} belongs to another user (uid {owner}): set local.temp_dir to a folder of "
+                            "your own, or leave it out")
+
+
+def _choose_ports(profile: ClusterProfile) -> dict[str, int]:
+    """The profile's ports, checked free; the others chosen free. A port in use (another user's
+    cluster, another program) is one line now, not a node that dies while starting."""
+    ports, taken = {}, set()
+    for name in PORTS:
+        width = 1000 * profile.nodes if name == "worker_port_base" else profile.nodes if name == "agent_port_base" else 1
+        given = getattr(profile.local, name)
+        if given is not None:
+            busy = next((p for p in range(given, given + width) if not _free(p)), None)
+            if busy is not None:
+                raise UserError(f"{profile.source}: local.{name} {given}: port {busy} is in use (another user's "
+                                "cluster, or another program): leave local's ports out to have free ones chosen")
+        else:
+            given = _free_block(width, taken)
+        ports[name] = given
+        taken.update(range(given, given + width))
+    return ports
+
+
+def _free(port: int) -> bool:
+    """Nothing listens on `port`, on any address (Ray's servers bind all of them)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no user
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+def _free_block(width: int, taken: set[int]) -> int:
+    """The first of `width` free ports in a row, below the kernel's ephemeral ports."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - width)
+        block = range(base, base + width)
+        if not taken.intersection(block) and all(_free(p) for p in block):
+            return base
+    raise UserError(f"no {width} free ports in a row between {PORT_RANGE[0]} and {PORT_RANGE[1]}")
+
+
+def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path, ports: dict[str, int]) -> psutil.Process:
     """Node `i` of a local cluster. Each node has a Ray temp dir of its own, as on separate hosts:
     nodes sharing one would share its `runtime_resources`, where a node that has not yet unpacked
     a job's working_dir unpacks it again over another node's copy, deleting the directory the
     job's driver runs in (Ray's working_dir plugin overwrites)."""
-    lp = profile.local
-    workers = lp.worker_port_base + 1000 * i
+    workers = ports["worker_port_base"] + 1000 * i
     cmd = [ray_executable(), "start", "--block", "--disable-usage-stats",
            "--num-cpus", str(profile.cpus_per_node), "--num-gpus", str(profile.gpus_per_node),
            "--min-worker-port", str(workers), "--max-worker-port", str(workers + 999),
-           "--dashboard-agent-listen-port", str(lp.agent_port_base + i)]
+           "--dashboard-agent-listen-port", str(ports["agent_port_base"] + i)]
     if i == 0:
-        cmd += ["--head", "--port", str(lp.port), "--temp-dir", str(temp),
-                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(lp.dashboard_port),
-                "--ray-client-server-port", str(lp.client_port)]
+        cmd += ["--head", "--port", str(ports["port"]), "--temp-dir", str(temp),
+                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(ports["dashboard_port"]),
+                "--ray-client-server-port", str(ports["client_port"])]
     else:
-        cmd += ["--address", f"127.0.0.1:{lp.port}", "--temp-dir", str(temp / str(i))]
+        cmd += ["--address", f"127.0.0.1:{ports['port']}", "--temp-dir", str(temp / str(i))]
     with open(temp / f"node-{i}.log", "wb") as log:
         return psutil.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
@@ -231,6 +285,7 @@ def _recorded(profile: ClusterProfile) -> list[psutil.Process]:
 
 def _forget(profile: ClusterProfile) -> None:
     (Path(profile.temp_dir) / NODES_FILE).unlink(missing_ok=True)
+    (Path(profile.temp_dir) / PORTS_FILE).unlink(missing_ok=True)
     (running_dir() / f"{profile.name}.json").unlink(missing_ok=True)
 
 

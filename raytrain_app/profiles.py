@@ -15,6 +15,7 @@ holding it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -66,16 +67,37 @@ class Auth(Section):
 
 
 class LocalNodes(Section):
-    """Ports for a cluster that `cluster up` runs on this machine; every node gets its own."""
+    """Ports for a cluster that `cluster up` runs on this machine; every node gets its own. Left
+    out, they are chosen free when the cluster starts and recorded in its temp dir, so that two
+    users, or two profiles, never collide."""
 
-    port: int = Field(6379, ge=1, le=65535, description="the head's GCS port")
-    dashboard_port: int = Field(8265, ge=1, le=65535, description="dashboard and Jobs API, bound to 127.0.0.1")
-    client_port: int = Field(10001, ge=1, le=65535, description="Ray Client server on the head")
-    worker_port_base: int = Field(20000, ge=1, le=64535, description="node i: worker ports base + 1000 i ... + 999")
-    agent_port_base: int = Field(52365, ge=1, le=65535, description="node i: dashboard agent on base + i")
+    port: Optional[int] = Field(None, ge=1, le=65535, description="the head's GCS port (null: chosen free)")
+    dashboard_port: Optional[int] = Field(None, ge=1, le=65535, description="dashboard and Jobs API, bound to "
+                                                                            "127.0.0.1 (null: chosen free)")
+    client_port: Optional[int] = Field(None, ge=1, le=65535, description="Ray Client server on the head (null: "
+                                                                         "chosen free)")
+    worker_port_base: Optional[int] = Field(None, ge=1, le=64535, description="node i: worker ports base + 1000 i "
+                                                                              "... + 999 (null: chosen free)")
+    agent_port_base: Optional[int] = Field(None, ge=1, le=65535, description="node i: dashboard agent on base + i "
+                                                                             "(null: chosen free)")
     temp_dir: Optional[str] = Field(None, max_length=MAX_TEMP_DIR,
-                                    description=f"default /tmp/raytrain/NAME; at most {MAX_TEMP_DIR} characters "
-                                                "(Ray's socket paths must fit); node i > 0 uses TEMP/i")
+                                    description=f"default RUNTIME/NAME, RUNTIME being this user's own folder "
+                                                "($XDG_RUNTIME_DIR/raytrain, else /tmp/raytrain-UID; mode 0700); "
+                                                f"at most {MAX_TEMP_DIR} characters (Ray's socket paths must fit); "
+                                                "node i > 0 uses TEMP/i")
+
+
+PORTS = ("port", "dashboard_port", "client_port", "worker_port_base", "agent_port_base")
+PORTS_FILE = "raytrain-ports.json"  # in the cluster's temp dir: the ports `cluster up` chose
+
+
+def user_runtime_dir() -> str:
+    """This user's own folder for local clusters: $XDG_RUNTIME_DIR/raytrain (a per-user 0700
+    tmpfs on systemd machines), else /tmp/raytrain-UID."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.getuid():
+        return os.path.join(runtime, "raytrain")
+    return f"/tmp/raytrain-{os.getuid()}"
 
 
 class Slurm(Section):
@@ -200,7 +222,7 @@ class ClusterProfile(Section):
         if self.launcher and self.is_local:
             raise ValueError("launcher: must be unset for address: local (cluster up starts it directly)")
         if len(self.temp_dir) > MAX_TEMP_DIR:
-            raise ValueError(f"local.temp_dir: the default /tmp/raytrain/NAME is over {MAX_TEMP_DIR} characters: "
+            raise ValueError(f"local.temp_dir: the default {self.temp_dir} is over {MAX_TEMP_DIR} characters: "
                              "shorten name or set local.temp_dir")
         return self
 
@@ -218,15 +240,36 @@ class ClusterProfile(Section):
         """The cluster, as messages name it."""
         if self.kind == "slurm":
             return f"SLURM partition {self.slurm.partition}" if self.slurm.partition else "SLURM's default partition"
+        if self.is_local:
+            return "local nodes" + (f" at {self.jobs_address}" if self.local_ports_known() else " (not up)")
         return self.jobs_address
+
+    def local_ports_known(self) -> bool:
+        try:
+            self.ports()
+            return True
+        except UserError:
+            return False
 
     @property
     def jobs_address(self) -> str:
-        return f"http://127.0.0.1:{self.local.dashboard_port}" if self.is_local else self.address.rstrip("/")
+        return f"http://127.0.0.1:{self.ports()['dashboard_port']}" if self.is_local else self.address.rstrip("/")
 
     @property
     def temp_dir(self) -> str:
-        return self.local.temp_dir or f"/tmp/raytrain/{self.name}"
+        return self.local.temp_dir or os.path.join(user_runtime_dir(), self.name)
+
+    def ports(self) -> dict[str, int]:
+        """A local cluster's ports: the profile's, and those `cluster up` chose for the rest."""
+        given = {name: getattr(self.local, name) for name in PORTS if getattr(self.local, name) is not None}
+        if len(given) == len(PORTS):
+            return given
+        try:
+            chosen = json.loads(Path(self.temp_dir, PORTS_FILE).read_text())
+        except (OSError, ValueError):
+            raise UserError(f"cluster '{self.name}' is not up (its ports are chosen when it starts): "
+                            f"`raytrain-app cluster up {self.source}` starts it") from None
+        return {**chosen, **given}
 
     def path(self, relative: str) -> str:
         """A path from the profile, relative to the profile's own folder."""

@@ -59,7 +59,7 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
         return ClusterChoice(current=True)
     running = running_local_cluster(workers, cpus_per_worker, gpus_per_worker)
     if running:
-        return ClusterChoice(f"127.0.0.1:{running.local.port}", running.ray_auth_env(),
+        return ClusterChoice(f"127.0.0.1:{running.ports()['port']}", running.ray_auth_env(),
                              note=f"using the running local cluster '{running.name}' (--address local starts a "
                                   "fresh one)")
     return ClusterChoice()

@@ -60,7 +60,7 @@ def two_nodes(tmp_path_factory):
     # An unrelated process that even calls itself "raylet": `ray stop` would kill it by name.
     decoy = subprocess.Popen(["bash", "-c", "exec -a raylet sleep 600"], start_new_session=True)
     down = cli("cluster", "down", profile_file)
-    assert down.returncode == 0 and down.stdout.strip() == f"cluster '{profile.name}' is down (2 node processes stopped)"
+    assert down.returncode == 0 and down.stdout.strip() == f"cluster '{profile.name}' is down (2 nodes stopped)"
     assert running_local_cluster(1, 1, 0) is None  # no longer offered to `train`
     shutil.rmtree(profile.temp_dir, ignore_errors=True)
     assert not [pid for pid in started if running(pid)]  # all of them stopped...
