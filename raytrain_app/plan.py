@@ -212,7 +212,10 @@ def check_resumable(config: JobConfig, run_dir: str, model) -> None:
     from raytrain_app.checkpoint import parameter_shapes
     from raytrain_app.rundir import kept
 
-    latest = kept(run_dir)[-1]
+    checkpoints = kept(run_dir)
+    if not checkpoints:
+        raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
+    latest = checkpoints[-1]
     saved, shapes = parameter_shapes(latest.path)
     was = saved["config"]
     then, now = was["model"], config.to_dict()["model"]

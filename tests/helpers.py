@@ -15,7 +15,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from raytrain_app.models import mlp
+from raytrain_app import checkpoint
+from raytrain_app.config import JobConfig
+from raytrain_app.data import build_datasets
+from raytrain_app.data.preprocess import recipe
+from raytrain_app.models import build_model, mlp
+from raytrain_app.optim import build_optimizer, build_schedule
+from raytrain_app.state import TrainState
 
 
 def write_parquet(path, n: int, features: int = 8, classes: int = 3, seed: int = 0) -> None:
@@ -166,3 +172,20 @@ def needs_classes(input_shape, num_classes: int):
 
 def defaults_classes(input_shape, num_classes: int = 1):  # a custom step's dict samples have no shape
     return nn.Linear(input_shape[0] if input_shape else 4, num_classes)
+
+
+def save_checkpoint(directory, job: JobConfig, epoch: int = 1, seed: int = 0, batch: int = 0,
+                    input_shape=None, num_classes=None) -> nn.Module:
+    """A checkpoint as the loop writes it: rank 0's state, and the config, input shape, outputs
+    and preprocessing it records (the real data module's); returns its model in eval mode."""
+    data = build_datasets(job.data)
+    input_shape, num_classes = input_shape or data.input_shape, num_classes or data.num_classes
+    torch.manual_seed(seed)
+    model = build_model(job.model, input_shape, num_classes)
+    optimizer = build_optimizer(model.parameters(), job.optimizer, 1)
+    schedule = build_schedule(optimizer, job.schedule, 10, job.train.epochs)
+    state = TrainState(model, optimizer, schedule, None, epoch=epoch, step=10 * epoch, batch=batch)
+    os.makedirs(directory)
+    checkpoint.save(str(directory), 0, state, {"config": job.to_dict(), "input_shape": list(input_shape),
+                                               "num_classes": num_classes, "preprocess": recipe(data.train)})
+    return model.eval()

@@ -26,13 +26,13 @@ import raytrain_app
 from raytrain_app import checkpoint, rundir
 from raytrain_app.config import JobConfig, load_config
 from raytrain_app.data import build_datasets
-from raytrain_app.data.preprocess import recipe
 from raytrain_app.export import FILE_NAMES, export
 from raytrain_app.models import build_model
 from raytrain_app.optim import build_optimizer, build_schedule
 from raytrain_app.plan import resolve_auto
 from raytrain_app.state import TrainState
 from tests.conftest import REPO
+from tests.helpers import save_checkpoint
 
 DIGITS = resolve_auto(load_config(f"{REPO}/examples/digits.yaml"))  # resolved, as workers receive it
 DIGITS_SHAPE, DIGITS_CLASSES = (1, 28, 28), 10
@@ -89,23 +89,6 @@ with torch.no_grad():
     torch.save(torch.jit.load(weights)(torch.load(x)), out)
 assert "raytrain_app" not in sys.modules
 '''
-
-
-def save_checkpoint(directory, job: JobConfig, epoch: int = 1, seed: int = 0, batch: int = 0,
-                    input_shape=None, num_classes=None) -> nn.Module:
-    """A checkpoint as the loop writes it: rank 0's state, and the config, input shape, outputs
-    and preprocessing it records (the real data module's); returns its model in eval mode."""
-    data = build_datasets(job.data)
-    input_shape, num_classes = input_shape or data.input_shape, num_classes or data.num_classes
-    torch.manual_seed(seed)
-    model = build_model(job.model, input_shape, num_classes)
-    optimizer = build_optimizer(model.parameters(), job.optimizer, 1)
-    schedule = build_schedule(optimizer, job.schedule, 10, job.train.epochs)
-    state = TrainState(model, optimizer, schedule, None, epoch=epoch, step=10 * epoch, batch=batch)
-    os.makedirs(directory)
-    checkpoint.save(str(directory), 0, state, {"config": job.to_dict(), "input_shape": list(input_shape),
-                                               "num_classes": num_classes, "preprocess": recipe(data.train)})
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_
 from raytrain_app.models import build_model
 from raytrain_app.nonfinite import LAG, LossCheck, NonFiniteLoss
 from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.plan import make_plan
+from raytrain_app.plan import make_plan, resolve_auto
 from raytrain_app.rundir import SNAPSHOT as CHECKPOINT_SNAPSHOT
+from tests.helpers import save_checkpoint
 from raytrain_app.state import TrainState
 from raytrain_app.strategy import place
 from tests.gloo import spawn
@@ -227,11 +228,15 @@ def test_sync_batchnorm_replaces_every_batch_norm():
 
 def test_resume_defaults_to_the_latest_run_of_the_job(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    config = JobConfig.from_dict({"name": "job", "model": {"name": "mlp"}})
     for stamp in ("20260101-000000", "20260301-000000", "20260201-000000"):
-        (tmp_path / "runs" / f"job-{stamp}").mkdir(parents=True)
+        save_checkpoint(tmp_path / "runs" / f"job-{stamp}" / "checkpoint_2026-01-01_00-00-00.000000",
+                        resolve_auto(config))
         (tmp_path / "runs" / f"job-{stamp}" / CHECKPOINT_SNAPSHOT).write_text("{}")
     (tmp_path / "runs" / "other-20270101-000000").mkdir()  # another job's run is not a candidate
-    plan = make_plan(JobConfig.from_dict({"name": "job", "model": {"name": "mlp"}}), resume=True)
+    plan = make_plan(config, resume=True)
+    plan.lease.release()
     assert plan.run_dir == str(tmp_path / "runs" / "job-20260301-000000")
-    fresh = make_plan(JobConfig.from_dict({"name": "job", "model": {"name": "mlp"}}))
+    fresh = make_plan(config)
+    fresh.lease.release()
     assert re.fullmatch(str(tmp_path / "runs" / r"job-\d{8}-\d{6}"), fresh.run_dir)

@@ -16,7 +16,9 @@ import pytest
 from raytrain_app import rundir, runs
 from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.errors import UserError
-from raytrain_app.plan import rundir.SNAPSHOT, make_plan
+from raytrain_app.plan import make_plan, resolve_auto
+from raytrain_app.rundir import SNAPSHOT as CHECKPOINT_SNAPSHOT
+from tests.helpers import save_checkpoint
 
 NOW = time.time()
 
@@ -42,7 +44,7 @@ def make_run(root, name: str, epochs: int = 5, done: int = 5, record: Optional[d
     if record is not None:
         (path / "run.json").write_text(json.dumps(record) + "\n")
     if snapshot:
-        (path / rundir.SNAPSHOT).write_text(json.dumps({"checkpoints": [f"checkpoint_{done}"]}))
+        (path / CHECKPOINT_SNAPSHOT).write_text(json.dumps({"checkpoints": [f"checkpoint_{done}"]}))
     return path
 
 
@@ -176,7 +178,7 @@ def test_script_runs_count_reports_and_plan_no_epochs(tmp_path, status, expected
     (path / "metrics.jsonl").write_text("".join(json.dumps({"report": i, "loss": 1.0 / i}) + "\n" for i in (1, 2, 3)))
     if status:
         (path / "run.json").write_text(json.dumps(record(status)))
-    (path / rundir.SNAPSHOT).write_text("{}")  # an older script's run keeps it whether it finished or not
+    (path / CHECKPOINT_SNAPSHOT).write_text("{}")  # an older script's run keeps it whether it finished or not
     run = only(tmp_path)
     assert (run.epochs_done, run.epochs, run.best, run.status) == (3, None, "-", expected)
     header, line = runs.table([run]).splitlines()
@@ -221,10 +223,14 @@ def test_a_missing_directory_is_a_user_error(tmp_path):
 def test_resume_if_any_starts_a_fresh_run_dir_and_continues_one_with_a_checkpoint(tmp_path):
     """The entrypoint of a job its scheduler may run again (a retried RayJob, a requeued SLURM job)."""
     config = JobConfig.from_dict({"name": "again", "train": {"epochs": 1}})
-    assert make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any").resume is False
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / rundir.SNAPSHOT).write_text("{}")
-    assert make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any").resume is True
+    fresh = make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any")
+    fresh.lease.release()
+    assert fresh.resume is False
+    save_checkpoint(tmp_path / "run" / "checkpoint_2026-01-01_00-00-00.000000", resolve_auto(config))
+    (tmp_path / "run" / CHECKPOINT_SNAPSHOT).write_text("{}")
+    again = make_plan(config, run_dir=str(tmp_path / "run"), resume="if_any")
+    again.lease.release()
+    assert again.resume is True
     with pytest.raises(UserError, match="already holds a run"):  # without it, a second start is refused
         make_plan(config, run_dir=str(tmp_path / "run"))
     with pytest.raises(UserError, match="--resume-if-any needs --run-dir"):
