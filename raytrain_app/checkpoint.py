@@ -21,6 +21,7 @@ import hashlib
 import io
 import os
 import posixpath
+import re
 import sys
 import warnings
 from typing import Callable, Optional
@@ -33,6 +34,8 @@ from raytrain_app.errors import UserError
 from raytrain_app.rundir import STATE_FILE
 from raytrain_app.state import TrainState
 SHARDS = "shards"  # the DCP directory of a sharded run's weights and optimizer state
+# load_state_dict's words for weights of another model (shapes, names), as opposed to a torn file.
+_MISFIT = re.compile(r"size mismatch|Missing key\(s\)|Unexpected key\(s\)")
 
 # The score a mid-epoch checkpoint reports for `checkpoint.metric`, so that Ray's best-K never
 # keeps it for its score. Finite on purpose: Ray's JSON index of checkpoints turns NaN into null,
@@ -74,6 +77,10 @@ def restore_latest_good(latest, state: TrainState, rank: int, device: torch.devi
                     layout = load_into(directory, state, rank, device)
                 except UserError:
                     raise
+                except RuntimeError as e:
+                    if _MISFIT.search(str(e)):  # whole and readable, but another model's: no damage to skip
+                        raise UserError(f"{uri} does not fit the model: {str(e).splitlines()[0]}") from None
+                    problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 except Exception as e:  # weights_only refuses code; a torn file fails to parse
                     problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             else:

@@ -753,7 +753,7 @@ class _command:
 
 
 # Longer lines go to a file, and the line names it: a terminal shows a line, not a page.
-MAX_LINE = 300
+MAX_LINE = 500
 
 
 def _bounded(line: str, limit: int = MAX_LINE) -> str:

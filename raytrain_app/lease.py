@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -67,10 +68,10 @@ def scheduler_job() -> Optional[str]:
 class Lease:
     """A held lease: renewed by a heartbeat thread until `release`."""
 
-    def __init__(self, run_dir: str, holder: Holder, version: Optional[str]):
-        self.path = storage.join(run_dir, LEASE)
-        self.holder, self.version = holder, version
-        self.lost: Optional[Holder] = None  # who took it while we held it (our process was stopped)
+    def __init__(self, run_dir: str, holder: Holder, version: Optional[str], warn: Callable[[str], None]):
+        self.run_dir, self.path = run_dir, storage.join(run_dir, LEASE)
+        self.holder, self.version, self.warn = holder, version, warn
+        self.made_dir = False  # the run directory did not exist before this lease
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="raytrain-lease")
 
@@ -80,9 +81,12 @@ class Lease:
         path = storage.join(run_dir, LEASE)
         now = time.time()
         mine = Holder(uuid.uuid4().hex, socket.gethostname(), os.getpid(), command, scheduler_job(), now, now)
+        fresh = storage.is_local(run_dir) and not os.path.isdir(storage.normalize(run_dir))
         created = _create(path, mine)
         if created is not None:
-            return cls(run_dir, mine, created)._started()
+            held = cls(run_dir, mine, created, warn)
+            held.made_dir = fresh
+            return held._started()
         held, version = _read(path)
         if held is None:  # released between our two looks
             return cls.acquire(run_dir, command, warn)
@@ -95,16 +99,22 @@ class Lease:
             raise UserError(f"run dir {run_dir} was just taken by another command as well; try again")
         if why:
             warn(f"took over the lease of {run_dir} from {held.describe()}: {why}")
-        return cls(run_dir, mine, replaced)._started()
+        return cls(run_dir, mine, replaced, warn)._started()
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease, if it is still ours."""
+        """Stop the heartbeat and remove the lease, if it is still ours; a run directory the lease
+        made and nothing else filled (a command refused in its checks) goes too. Once."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
         held, _ = _read(self.path)
         if held is not None and held.token == self.holder.token:
             _delete(self.path)
+        if self.made_dir:
+            with suppress(OSError):
+                os.rmdir(storage.normalize(self.run_dir))
 
     def _started(self) -> "Lease":
         self._thread.start()
@@ -114,8 +124,9 @@ class Lease:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 held, version = _read(self.path)
-                if held is None or held.token != self.holder.token:
-                    self.lost = held
+                if held is None or held.token != self.holder.token:  # this process was stopped past STALE_S
+                    self.warn(f"lost the lease of {self.run_dir}" + (f" to {held.describe()}" if held else "") +
+                              ": another command may write there too")
                     return
                 self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
                 self.version = _replace(self.path, self.holder, version)

@@ -81,23 +81,23 @@ def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: 
         raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
     if not resume and has_checkpoint:
         raise UserError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
+    warnings = []
     try:
         if config.script:
             check_script(config.script.path)
         else:
             model = check_data_and_model(config)
             if resume:
-                check_resumable(config, run_dir, model)
+                warnings += check_resumable(config, run_dir, model)
     except ConfigError as e:
         raise ConfigError(*[f"{source}: {line}" for line in e.lines]) from None
     if not config.script:
         tracking.check(config.tracking, run_dir)
         config = absolute_paths(config)
-    warnings = ()
     if config.strategy.sharded and config.scaling.workers == 1:
-        warnings = (f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
-                    "unsharded",)
-    return RunPlan(config, run_dir, bool(resume), warnings, held)
+        warnings.append(f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
+                        "unsharded")
+    return RunPlan(config, run_dir, bool(resume), tuple(warnings), held)
 
 
 # The arguments of built-in datasets that name files; relative ones are relative to the launch directory.
@@ -206,35 +206,43 @@ def check_data_and_model(config: JobConfig):
     return model
 
 
-def check_resumable(config: JobConfig, run_dir: str, model) -> None:
+def check_resumable(config: JobConfig, run_dir: str, model) -> list[str]:
     """The run's latest checkpoint fits the model and strategy the config asks for, or one line
-    naming the difference: found here, a mismatch changes nothing and is never called damage."""
+    naming the difference: found here, a mismatch changes nothing and is never called damage.
+    Returns warnings: model args that changed without changing any weight's shape (a dropout)."""
     from raytrain_app.checkpoint import parameter_shapes
     from raytrain_app.rundir import kept
 
     checkpoints = kept(run_dir)
     if not checkpoints:
         raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
-    latest = checkpoints[-1]
-    saved, shapes = parameter_shapes(latest.path)
+    for latest in reversed(checkpoints):  # the newest that reads, as the workers will restore it
+        try:
+            saved, shapes = parameter_shapes(latest.path)
+            break
+        except Exception:  # noqa: BLE001 - torn or damaged: the workers say so, and skip it as well
+            continue
+    else:
+        return []  # none reads: the workers report each, and that none is usable
     was = saved["config"]
     then, now = was["model"], config.to_dict()["model"]
     where = f"--resume: {latest.name}"
     if then["name"] != now["name"]:
         raise UserError(f"{where} has model {then['name']}, the config says {now['name']}: resume with the model it "
                         "was trained with, or start a new run")
-    for key in sorted(set(then["args"]) | set(now["args"])):
-        if then["args"].get(key) != now["args"].get(key):
-            raise UserError(f"{where} has model.args.{key} {then['args'].get(key)!r}, the config says "
-                            f"{now['args'].get(key)!r}")
+    changed = [f"model.args.{key} {then['args'].get(key)!r}, the config says {now['args'].get(key)!r}"
+               for key in sorted(set(then["args"]) | set(now["args"])) if then["args"].get(key) != now["args"].get(key)]
     built = {name: list(t.shape) for name, t in model.state_dict().items()}
     for name in sorted(set(shapes) | set(built)):
         if shapes.get(name) != built.get(name):
+            if changed:  # the likely cause, in the user's own terms
+                raise UserError(f"{where} has {changed[0]}")
             raise UserError(f"{where} has parameter {name} shaped {shapes.get(name)}, the config's model has "
                             f"{built.get(name)} (the data's inputs or classes changed?)")
     if config.strategy.sharded and not saved.get("sharded"):
         raise UserError(f"{where} was written without sharding, and strategy {config.strategy.name} resumes only "
                         f"sharded checkpoints: resume under strategy ddp, or start a new run")
+    return [f"{where} has {change}: the weights fit, so the run resumes with the config's" for change in changed]
 
 
 def check_script(path: str) -> None:

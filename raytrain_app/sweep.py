@@ -342,11 +342,8 @@ def _trial(settings: dict, sweep: Sweep, sweep_dir: str) -> None:
 
     run_dir = storage.join(sweep_dir, os.path.basename(tune.get_context().get_trial_dir()))
     config = sweep.trial_config(settings)
-    plan = make_plan(config, run_dir=run_dir, resume="if_any", sweep_trial=True)
-    try:
-        run_training(plan, callbacks=[_EpochReports(config.train.epochs)])
-    finally:
-        plan.lease.release()
+    run_training(make_plan(config, run_dir=run_dir, resume="if_any", sweep_trial=True),
+                 callbacks=[_EpochReports(config.train.epochs)])
 
 
 def _trial_dirname(trial) -> str:

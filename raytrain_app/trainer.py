@@ -41,8 +41,17 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
 
     `marks` are the caller's wall-clock start-up marks ("start", "planned", "cluster"); with the
     workers' own they become the start-up breakdown printed at the first step and kept in
-    `startup.json`. `callbacks` see every report too (a sweep's trial hands them to Tune).
+    `startup.json`. `callbacks` see every report too (a sweep's trial hands them to Tune). The
+    plan's lease on the run directory is given back when the run ends, however it ends.
     """
+    try:
+        return _run_training(plan, progress, echo, marks, callbacks)
+    finally:
+        if plan.lease:
+            plan.lease.release()
+
+
+def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], callbacks: Sequence[UserCallback]):
     config = plan.config
     check_workers_fit(connected_nodes(), config)
     rundir.remove_partial(plan.run_dir)  # what an earlier run's failed write left, now that we hold the lease

@@ -175,18 +175,22 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_leaves_nothing_partial_and_resu
 
 def test_a_model_that_does_not_fit_the_checkpoint_is_named_not_called_damage(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    sets = ["train.epochs=1", "model.name=mlp", "model.args={hidden: [32]}"]
+    model = "model.name=tests.helpers:faulty_mlp"  # an MLP, and args that change no weight (a fault never armed)
+    sets = ["train.epochs=1", model, f"model.args={{marker: {tmp_path / 'a'}, at: 100000}}"]
     raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=sets, **QUIET)
     name = rundir.kept(str(run_dir))[-1].name
     before = files_of(run_dir)
-    with pytest.raises(UserError) as other_args:
-        make_plan(load_config(DIGITS, [*sets, "model.args={hidden: [16]}"]), run_dir=str(run_dir), resume=True)
-    assert str(other_args.value) == f"--resume: {name} has model.args.hidden [32], the config says [16]"
     with pytest.raises(UserError) as other_inputs:  # the same builder and args, 8x8 inputs instead of 28x28
         make_plan(load_config(DIGITS, [*sets, "data.args={}"]), run_dir=str(run_dir), resume=True)
-    assert str(other_inputs.value) == (f"--resume: {name} has parameter 1.weight shaped [32, 784], the config's "
+    assert str(other_inputs.value) == (f"--resume: {name} has parameter inner.1.weight shaped [32, 784], the config's "
                                        "model has [32, 64] (the data's inputs or classes changed?)")
     assert files_of(run_dir) == before
+    # Args that change no weight's shape resume, and say so.
+    fits = make_plan(load_config(DIGITS, [*sets[:2], f"model.args={{marker: {tmp_path / 'b'}, at: 100000}}"]),
+                     run_dir=str(run_dir), resume=True)
+    fits.lease.release()
+    assert fits.warnings == (f"--resume: {name} has model.args.marker {str(tmp_path / 'a')!r}, the config says "
+                             f"{str(tmp_path / 'b')!r}: the weights fit, so the run resumes with the config's",)
 
 
 @pytest.mark.parametrize("how", ["continue", "restart"])

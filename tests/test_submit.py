@@ -22,9 +22,9 @@ import requests
 import torch
 import yaml
 
-from raytrain_app.session import ClusterChoice, choose_cluster, running_local_cluster
+from raytrain_app.session import ClusterChoice, choose_cluster, free_port, running_local_cluster
 from raytrain_app.dashboard import Dashboard
-from raytrain_app.profiles import load_profile
+from raytrain_app.profiles import load_profile, user_runtime_dir
 from raytrain_app.data.parquet import DIGITS_FILE
 from tests.commands import command
 from tests.conftest import REPO, TUTORIAL_SCRIPT, epoch_lines, running, short_temp_dir, sweep_table
@@ -313,8 +313,11 @@ def test_unreachable_cluster_fails_within_its_timeout(tmp_path):
     assert time.monotonic() - start < 12
     server.close()
     # Nothing listening: refused at once, and said so (not "within 2s" after a fraction of a second).
+    closed = free_port()
+    profile = write_profile(tmp_path / "p.yaml", address=f"http://127.0.0.1:{closed}", connect_timeout_s=2,
+                            local={}, auth={})
     proc = cli("submit", "examples/digits.yaml", "--cluster", profile)
-    assert proc.returncode == 2 and f"at http://127.0.0.1:{port}: connection refused" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"at http://127.0.0.1:{closed}: connection refused" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -325,7 +328,8 @@ def test_unreachable_cluster_fails_within_its_timeout(tmp_path):
     ({"auth": {"token": "abc"}}, "never put a token in a profile"),
     # Ray's socket paths under it must fit in 107 bytes.
     ({"local": {"temp_dir": "/tmp/" + "x" * 35}}, "local.temp_dir: string should have at most 39 characters"),
-    ({"name": "n" * 26, "local": {}}, "local.temp_dir: the default /tmp/raytrain/NAME is over 39 characters"),
+    ({"name": "n" * 26, "local": {}}, f"local.temp_dir: the default {user_runtime_dir()}/{'n' * 26} is over 39 "
+                                      "characters"),
 ])
 def test_bad_profiles_are_one_line_errors(tmp_path, fields, message):
     proc = cli("submit", "examples/digits.yaml", "--cluster", write_profile(tmp_path / "p.yaml", **fields),
