@@ -6,6 +6,7 @@ manifest, only that it has the fields, types and values KubeRay v1.7.0 defines.
 """
 
 import copy
+import json
 import os
 import re
 
@@ -18,6 +19,7 @@ from tests.commands import command
 from tests.conftest import REPO
 
 GOLDEN = os.path.join(REPO, "tests", "golden", "rayjob-2x4-gpu.yaml")
+CRD_SCHEMA = os.path.join(REPO, "tests", "kuberay", "rayjobs.v1.7.0.schema.json")
 
 # The RayJob fields raytrain-app writes, with their types as KubeRay v1.7.0 defines them
 # (ray-operator/apis/ray/v1/rayjob_types.go and raycluster_types.go; types and patterns as in
@@ -82,13 +84,53 @@ def rendered_2x4() -> str:
 
 
 def test_the_rayjob_for_two_nodes_of_four_gpus_matches_the_golden_file():
-    """Regenerate after a deliberate change with RAYTRAIN_UPDATE_GOLDEN=1."""
+    """Regenerate after a deliberate change with RAYTRAIN_UPDATE_GOLDEN=1: that run writes the file
+    and fails, so a rewrite is never taken for a pass; look at its diff, then run again."""
     text = re.sub(r"digits-\d{8}-\d{6}-[0-9a-f]{4}", "digits-ID", rendered_2x4())
     if os.environ.get("RAYTRAIN_UPDATE_GOLDEN") == "1":
         with open(GOLDEN, "w") as f:
             f.write(text)
+        pytest.fail(f"{GOLDEN} rewritten: check its diff, then run without RAYTRAIN_UPDATE_GOLDEN")
     with open(GOLDEN) as f:
         assert text == f.read()
+
+
+def pruned(value, schema: dict, where: str = "") -> list[str]:
+    """The fields the Kubernetes API server would drop from `value` (a structural schema prunes
+    every field it does not declare, unless it preserves unknown fields)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict):
+        declared, extra = schema.get("properties"), schema.get("additionalProperties")
+        dropped = []
+        for key, item in value.items():
+            if declared is not None and key not in declared:
+                dropped.append(f"{where}.{key}")
+            elif declared is not None or isinstance(extra, dict):
+                dropped += pruned(item, declared[key] if declared is not None else extra, f"{where}.{key}")
+        return dropped
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [f for i, item in enumerate(value) for f in pruned(item, schema["items"], f"{where}[{i}]")]
+    return []
+
+
+def test_the_rayjob_fits_the_crd_kuberay_ships_and_nothing_of_it_is_pruned():
+    """Against KubeRay v1.7.0's own CRD schema (tests/kuberay/), which the API server validates a
+    RayJob with: every field valid, and none that the server would silently drop."""
+    schema = json.load(open(CRD_SCHEMA))
+    for args in (("--nodes", "2", "--gpus-per-node", "4"), ("--nodes", "1", "--name", "x" * 60)):
+        proc = render(*args)
+        assert proc.returncode == 0, proc.stderr
+        manifest = yaml.safe_load(proc.stdout)
+        jsonschema.validate(manifest, schema)
+        assert pruned(manifest, schema) == []
+        name = manifest["metadata"]["name"]
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 47, name
+    long_name = yaml.safe_load(render("--name", "x" * 60).stdout)["metadata"]["name"]
+    assert long_name.startswith("x" * 20) and re.search(r"-\d{8}-\d{6}-[0-9a-f]{4}$", long_name)  # still unique
+    misspelt = yaml.safe_load(rendered_2x4())
+    misspelt["spec"]["shutdownAfterJobFinish"] = True  # the check is not vacuous
+    assert pruned(misspelt, schema) == [".spec.shutdownAfterJobFinish"]
 
 
 def test_the_rayjob_fits_kuberays_schema_and_the_operators_rules():

@@ -41,6 +41,20 @@ def panels(fig) -> dict:
     return {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
 
 
+def test_every_curve_is_the_runs_metrics(tmp_path):
+    """What is drawn is what metrics.jsonl holds: each line's points are the rows' values by epoch."""
+    rows = epoch_rows()
+    by_title = panels(plots.figure([run_dir(tmp_path, "resnet", rows)]))
+    epochs = [row["epoch"] for row in rows]
+    for title, keys in (("loss", ["train_loss", "eval_loss"]), ("accuracy", ["eval_accuracy"]),
+                        ("top5", ["eval_top5"]), ("learning rate", ["lr"])):
+        lines = by_title[title].get_lines()
+        assert [list(line.get_xdata()) for line in lines] == [epochs] * len(keys), title
+        assert [list(line.get_ydata()) for line in lines] == [[row[k] for row in rows] for k in keys], title
+    samples = {line.get_linestyle(): list(line.get_ydata()) for line in by_title["samples/s"].get_lines()}
+    assert samples == {"-": [r["samples_per_s"] for r in rows], ":": [r["samples_per_s_per_worker"] for r in rows]}
+
+
 def test_classification_run_has_one_panel_per_question(tmp_path):
     fig = plots.figure([run_dir(tmp_path, "resnet", epoch_rows())])
     assert list(panels(fig)) == ["loss", "accuracy", "top5", "learning rate", "samples/s", "time split",

@@ -240,8 +240,14 @@ def test_a_sweep_submitted_to_the_cluster_runs_its_trials_on_both_nodes_and_best
     assert resumed.returncode == 0 and re.search(rf"entrypoint +python -m raytrain_app.cli sweep --resume "
                                                  rf"{sweep_dir} --address auto$", resumed.stdout, re.M)
 
+    # The best row is the best any trial's metrics.jsonl holds (read from the bucket), best first.
+    best_of = {name: max(json.loads(line)["eval_accuracy"] for line in stored(f"{name}/metrics.jsonl").splitlines())
+               for name in rows}
+    assert [float(row[1]) for row in rows.values()] == pytest.approx(sorted(best_of.values(), reverse=True),
+                                                                     abs=5e-5)
     # best.yaml, trained again (on the same cluster, which `train` joins), scores what its trial did.
     best_name, best_row = next(iter(rows.items()))
+    assert best_of[best_name] == max(best_of.values())
     assert f"best: {best_name}, eval_accuracy {float(best_row[1]):.4f}" in proc.stdout
     (tmp_path / "best.yaml").write_text(stored("best.yaml"))
     again = cli("train", str(tmp_path / "best.yaml"), "--run-dir", str(tmp_path / "again"))

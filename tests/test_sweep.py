@@ -84,7 +84,15 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
         assert json.load(open(sweep_dir / name / "run.json"))["status"] == status
     # Tune stops a trial asynchronously: its workers may finish one more epoch before they are killed.
     assert cut_at <= len(open(sweep_dir / stopped / "metrics.jsonl").readlines()) < 3
-    # The table is best first, and best.yaml is that trial's config (test_submit trains one again).
+    # The table is best first, its best is the best any trial's metrics.jsonl holds, and what ASHA
+    # cut was weak at its rung: below another trial at that epoch.
+    accuracy = {name: [json.loads(line)["eval_accuracy"] for line in open(sweep_dir / name / "metrics.jsonl")]
+                for name in rows}
+    shown = [float(row[1]) for row in rows.values()]
+    assert shown == sorted(shown, reverse=True)
+    assert shown[0] == pytest.approx(max(max(a) for a in accuracy.values()), abs=5e-5)  # the table's 4 decimals
+    at_cut = {name: a[cut_at - 1] for name, a in accuracy.items() if len(a) >= cut_at and name != stopped}
+    assert accuracy[stopped][cut_at - 1] < max(at_cut.values()), (accuracy, stopped, cut_at)
     best_name, best_row = next(iter(rows.items()))
     assert f"best: {best_name}, eval_accuracy {float(best_row[1]):.4f}" in resumed.stdout
     best = yaml.safe_load(open(sweep_dir / "best.yaml"))
