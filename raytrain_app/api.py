@@ -72,7 +72,7 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
         echo(f"warning: {warning}")
 
     def lost(message: str) -> None:  # the embedded node died under the run
-        from raytrain_app.trainer import record_status
+        from raytrain_app.rundir import record_status
 
         record_status(plan.run_dir, "failed", message)
 

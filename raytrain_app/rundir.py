@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import posixpath
+import socket
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -200,3 +203,50 @@ def choose(path: str, which: Optional[str] = None) -> Chosen:
         metric = ranking(read_config(path))[0] or "checkpoint.metric"
         raise UserError(f"--checkpoint best: no checkpoint of {path} has a {metric} in its {METRICS}; use latest")
     return Chosen(latest.path, latest.why + " (no checkpoint has a score)")
+
+
+# ---- what a run writes, as it goes ----------------------------------------------------------
+
+class MetricsLog:
+    """metrics.jsonl, one object per epoch; a re-run epoch (after a restart) replaces its row.
+    A script's reports without an `epoch` are numbered by their `report` count instead."""
+
+    def __init__(self, path: str, resume: bool):
+        self.path = path
+        self._rows: dict[int, dict] = {}
+        if resume and storage.exists(path):
+            for line in storage.read_text(path).splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self._rows[_key(row)] = row
+
+    def add(self, row: dict) -> None:
+        key = _key(row)
+        self._rows[key] = row
+        self._rows = {e: r for e, r in self._rows.items() if e <= key}
+        storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
+
+    def rows(self) -> list[dict]:
+        return [self._rows[e] for e in sorted(self._rows)]
+
+
+def _key(row: dict) -> int:
+    return row.get("epoch", row.get("report", 0))
+
+
+def record_status(run_dir: str, status: str, reason: str = "") -> None:
+    """RUN_DIR/run.json: whether the run is running (and which process runs it), finished,
+    failed or interrupted, for `raytrain-app runs`; its first start survives resumes."""
+    path = storage.join(run_dir, "run.json")
+    earlier = json.loads(storage.read_text(path)) if storage.exists(path) else {}
+    now = time.time()
+    record = {"status": status, "started": earlier.get("started", now), "updated": now,
+              "host": socket.gethostname(), "pid": os.getpid(), **({"reason": reason} if reason else {})}
+    storage.write_text(path, json.dumps(record) + "\n")
+
+
+def record_restart(run_dir: str, kind: str, reason: str) -> None:
+    """One line in RUN_DIR/restarts.jsonl: `report.png` marks it on the time axis."""
+    path = storage.join(run_dir, "restarts.jsonl")
+    earlier = storage.read_text(path) if storage.exists(path) else ""
+    storage.write_text(path, earlier + json.dumps({"time": time.time(), "kind": kind, "reason": reason}) + "\n")

@@ -365,9 +365,7 @@ def _summary(sweep: Sweep, sweep_dir: str, trial, interrupted: bool, errors: dic
         status = "interrupted"
     else:  # Tune ended it before its last epoch: ASHA's rung cut it
         status = "stopped early"
-        from raytrain_app.trainer import record_status
-
-        record_status(run_dir, status, f"{sweep.scheduler} stopped it after epoch {done}")
+        rundir.record_status(run_dir, status, f"{sweep.scheduler} stopped it after epoch {done}")
     return Trial(name, dict(trial.config), best[sweep.metric] if best else None, best["epoch"] if best else None,
                  done, status)
 

@@ -56,10 +56,10 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     check_workers_fit(connected_nodes(), config)
     rundir.remove_partial(plan.run_dir)  # what an earlier run's failed write left, now that we hold the lease
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
-    history = MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
+    history = rundir.MetricsLog(storage.join(plan.run_dir, "metrics.jsonl"), resume=plan.resume)
     if plan.resume:
-        record_restart(plan.run_dir, "resume", "--resume")
-    record_status(plan.run_dir, "running")
+        rundir.record_restart(plan.run_dir, "resume", "--resume")
+    rundir.record_status(plan.run_dir, "running")
 
     _ray_train_settings(config)
     events = Queue(actor_options={"num_cpus": 0})  # it fits anywhere, a Tune trial's placement group too
@@ -101,13 +101,13 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
         ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         with suppress(Exception):  # neither may hide why the run ended
             rundir.remove_partial(plan.run_dir)  # first: on a full disk, that frees the space to say so
-            record_status(plan.run_dir, ended, last_line(e))
+            rundir.record_status(plan.run_dir, ended, last_line(e))
             tracking.finish(config.tracking, plan.run_dir, "KILLED" if ended == "interrupted" else "FAILED")
         raise
     best, best_metrics = rundir.best(plan.run_dir, rows=history.rows())
     best_uri = best.path if best else None
     tracking.finish(config.tracking, plan.run_dir, "FINISHED", best_uri, best_metrics)
-    record_status(plan.run_dir, *(("stopped early", listener.stopped_early) if listener.stopped_early else
+    rundir.record_status(plan.run_dir, *(("stopped early", listener.stopped_early) if listener.stopped_early else
                                   ("finished",)))
     return Result(
         report=_picture(plan.run_dir, echo) if config.tracking.report_png else None,
@@ -184,37 +184,10 @@ def shipped_working_dir() -> bool:
     return bool(ray.get_runtime_context().runtime_env.get("working_dir"))
 
 
-class MetricsLog:
-    """metrics.jsonl, one object per epoch; a re-run epoch (after a restart) replaces its row.
-    A script's reports without an `epoch` are numbered by their `report` count instead."""
-
-    def __init__(self, path: str, resume: bool):
-        self.path = path
-        self._rows: dict[int, dict] = {}
-        if resume and storage.exists(path):
-            for line in storage.read_text(path).splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    self._rows[_key(row)] = row
-
-    def add(self, row: dict) -> None:
-        key = _key(row)
-        self._rows[key] = row
-        self._rows = {e: r for e, r in self._rows.items() if e <= key}
-        storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
-
-    def rows(self) -> list[dict]:
-        return [self._rows[e] for e in sorted(self._rows)]
-
-
-def _key(row: dict) -> int:
-    return row.get("epoch", row.get("report", 0))
-
-
 class EventListener(threading.Thread):
     """Drains rank 0's events while fit() blocks the main thread."""
 
-    def __init__(self, events: Queue, log: MetricsLog, progress: Progress, epochs: int, echo, marks: dict,
+    def __init__(self, events: Queue, log: rundir.MetricsLog, progress: Progress, epochs: int, echo, marks: dict,
                  startup_file: str):
         super().__init__(daemon=True)
         self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
@@ -297,7 +270,7 @@ class RestartNotices(UserCallback):
         limit = "unlimited" if self.max_failures == -1 else self.max_failures
         self.events.put(("notice", f"{describe_rank(rank, worker_exceptions[rank])}; restarting from "
                                    f"{self.latest or 'the start'} (restart {self.failures} of {limit})"))
-        record_restart(self.run_dir, "restart", describe_rank(rank, worker_exceptions[rank]))
+        rundir.record_restart(self.run_dir, "restart", describe_rank(rank, worker_exceptions[rank]))
 
 
 class ScriptReports(UserCallback):
@@ -321,24 +294,6 @@ class ScriptReports(UserCallback):
             row["checkpoint"] = storage.checkpoint_uri(self.run_dir, checkpoint)
         row["time"] = time.time()  # for report.png's time axis, as the loop's epoch rows have
         self.events.put(("report", row))
-
-
-def record_status(run_dir: str, status: str, reason: str = "") -> None:
-    """RUN_DIR/run.json: whether the run is running (and which process runs it), finished,
-    failed or interrupted, for `raytrain-app runs`; its first start survives resumes."""
-    path = storage.join(run_dir, "run.json")
-    earlier = json.loads(storage.read_text(path)) if storage.exists(path) else {}
-    now = time.time()
-    record = {"status": status, "started": earlier.get("started", now), "updated": now,
-              "host": socket.gethostname(), "pid": os.getpid(), **({"reason": reason} if reason else {})}
-    storage.write_text(path, json.dumps(record) + "\n")
-
-
-def record_restart(run_dir: str, kind: str, reason: str) -> None:
-    """One line in RUN_DIR/restarts.jsonl: `report.png` marks it on the time axis."""
-    path = storage.join(run_dir, "restarts.jsonl")
-    earlier = storage.read_text(path) if storage.exists(path) else ""
-    storage.write_text(path, earlier + json.dumps({"time": time.time(), "kind": kind, "reason": reason}) + "\n")
 
 
 def _nonfinite_message(where: dict, latest) -> str:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from typing import Optional
+from unittest import mock
 
 import psutil
 import pytest
@@ -26,32 +27,43 @@ NOW = time.time()
 def make_run(root, name: str, epochs: int = 5, done: int = 5, record: Optional[dict] = None,
              snapshot: bool = False, checkpoint: Optional[dict] = None, accuracy: Optional[list] = None,
              kept: Optional[list[int]] = None):
-    """A run directory: config.yaml as `train` writes it (resolved), one metrics row per finished
-    epoch, a checkpoint directory naming its position for each of the `kept` epochs (default:
-    all), run.json when `record` is given, and Ray's checkpoint snapshot when `snapshot`."""
+    """A run directory written by the run's own writers: config.yaml as `train` writes it
+    (resolved), a metrics row per finished epoch (MetricsLog), a checkpoint directory naming its
+    position for each of the `kept` epochs (default: all), run.json (record_status, as the run
+    that `record` describes wrote it), and Ray's checkpoint snapshot when `snapshot`."""
     path = root / name
     path.mkdir()
     ranking = checkpoint or {"metric": "eval_accuracy", "mode": "max"}
     config = JobConfig.from_dict({"name": name.split("-")[0], "train": {"epochs": epochs}, "checkpoint": ranking})
     (path / "config.yaml").write_text(dump_yaml(config))
     accuracy = accuracy or [0.5 + 0.05 * epoch for epoch in range(1, done + 1)]
-    rows = [{"epoch": epoch, "step": 10 * epoch, "train_loss": 1.0 / epoch, "eval_loss": 1.1 / epoch,
-             "eval_accuracy": accuracy[epoch - 1], "time": NOW - 100 + epoch} for epoch in range(1, done + 1)]
-    if rows:
-        (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    log = rundir.MetricsLog(str(path / rundir.METRICS), resume=False)
+    for epoch in range(1, done + 1):
+        log.add({"epoch": epoch, "step": 10 * epoch, "train_loss": 1.0 / epoch, "eval_loss": 1.1 / epoch,
+                 "eval_accuracy": accuracy[epoch - 1], "time": NOW - 100 + epoch})
     for epoch in range(1, done + 1) if kept is None else kept:
         rundir.write_position(str(path / f"checkpoint_2026-01-01_00-00-{epoch:02d}.000000"), epoch, 10 * epoch, 0)
     if record is not None:
-        (path / "run.json").write_text(json.dumps(record) + "\n")
+        write_record(str(path), **record)
     if snapshot:
         (path / CHECKPOINT_SNAPSHOT).write_text(json.dumps({"checkpoints": [f"checkpoint_{done}"]}))
     return path
 
 
+def write_record(path: str, status: str, pid: int, started: float, updated: float, host: str, reason: str) -> None:
+    """run.json as record_status writes it for a run that started at `started` and last said
+    `status` at `updated`, in process `pid` on `host`: the writer's own code, at those times."""
+    with mock.patch("raytrain_app.rundir.os.getpid", return_value=pid), \
+            mock.patch("raytrain_app.rundir.socket.gethostname", return_value=host), \
+            mock.patch("raytrain_app.rundir.time.time", side_effect=[started, updated]):
+        rundir.record_status(path, "running")
+        rundir.record_status(path, status, reason)
+
+
 def record(status: str, pid: Optional[int] = None, started: float = NOW - 60, updated: Optional[float] = None,
            host: Optional[str] = None, reason: str = "") -> dict:
     return {"status": status, "started": started, "updated": NOW - 30 if updated is None else updated,
-            "host": host or socket.gethostname(), "pid": pid or os.getpid(), **({"reason": reason} if reason else {})}
+            "host": host or socket.gethostname(), "pid": pid or os.getpid(), "reason": reason}
 
 
 def dead_pid() -> int:
@@ -177,7 +189,7 @@ def test_script_runs_count_reports_and_plan_no_epochs(tmp_path, status, expected
     (path / "config.yaml").write_text(dump_yaml(JobConfig.from_dict({"name": "s", "script": {"path": "t.py"}})))
     (path / "metrics.jsonl").write_text("".join(json.dumps({"report": i, "loss": 1.0 / i}) + "\n" for i in (1, 2, 3)))
     if status:
-        (path / "run.json").write_text(json.dumps(record(status)))
+        write_record(str(path), **record(status))
     (path / CHECKPOINT_SNAPSHOT).write_text("{}")  # an older script's run keeps it whether it finished or not
     run = only(tmp_path)
     assert (run.epochs_done, run.epochs, run.best, run.status) == (3, None, "-", expected)
