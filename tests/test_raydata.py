@@ -2,50 +2,46 @@
 session's Ray cluster. Its two limits are part of what is tested: no fixed order (so the shards are
 checked as sets), and resume at epoch boundaries only (a killed worker restarts its epoch)."""
 
-import threading
-
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain_app.config import DataConfig, JobConfig
-from raytrain_app.data import build_datasets
+from raytrain_app.config import JobConfig
 from raytrain_app.data.parquet import DIGITS_FILE
-from raytrain_app.data.raydata import RayDataBatches, read_train
 from raytrain_app.errors import ConfigError
 from tests.test_distributed import job, run
 from tests.test_reliability import resumed_at
-from tests.test_stream import ROWS, labels, write_numbered
+from tests.test_stream import ROWS, write_numbered
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def test_every_rank_takes_as_many_batches_of_disjoint_rows_each_epoch(tmp_path):
-    """Ray Train splits the dataset as `streaming_split(world_size, equal=True)`; so does this test."""
+def test_in_a_real_run_every_rank_trains_on_as_many_disjoint_rows_each_epoch(tmp_path):
+    """Rows numbered by their label, trained under Ray Train with Ray Data as the reader: a custom
+    step records the labels of every batch each rank trains on. Ray Train splits the data with
+    `streaming_split(world_size, equal=True)`: each epoch, the ranks' rows are disjoint, as many
+    on each, and all but a few (fewer than a batch a rank) of the rows."""
     train = write_numbered(tmp_path / "train")
-    config = DataConfig(name="parquet", engine="ray_data", args={
-        "path": str(train), "eval_path": str(train / "part-2.parquet"), "features": ["x", "one"], "buffer_rows": 100})
-    data = build_datasets(config)
-    assert len(data.train) == ROWS and len(data.eval) == 80
-    shards = read_train(config).streaming_split(2, equal=True)
-    loaders = [RayDataBatches(shard, data.train, 16, rank, 2, seed=5) for rank, shard in enumerate(shards)]
-    assert [len(loader) for loader in loaders] == [ROWS // 2 // 16] * 2
-
+    (tmp_path / "seen").mkdir()
+    config = job(model={"name": "tests.helpers:label_recorder", "args": {"out_dir": str(tmp_path / "seen")}},
+                 task={"name": "tests.helpers:record_labels"}, checkpoint={"every_epochs": 1, "mode": "min"},
+                 data={"name": "parquet", "engine": "ray_data",
+                       "args": {"path": str(train), "eval_path": str(train / "part-2.parquet"), "features": ["x", "one"],
+                                "buffer_rows": 100}},
+                 train={"epochs": 2, "batch_size": 16})
+    result = run(config, tmp_path / "run")
+    assert [row["epoch"] for row in result.metrics] == [1, 2]
+    per_epoch = ROWS // 2 // 16
+    batches = {rank: [[int(v) for v in line.split()] for line in (tmp_path / "seen" / f"rank-{rank}.txt").open()]
+               for rank in (0, 1)}
+    assert [len(b) for b in batches.values()] == [2 * per_epoch] * 2 and all(len(x) == 16 for b in batches.values()
+                                                                            for x in b)
     for epoch in (0, 1):
-        seen: list = [None, None]
-
-        def take(rank):  # the ranks read their shards at the same time, as workers do
-            loaders[rank].set_epoch(epoch)
-            seen[rank] = labels(loaders[rank])
-
-        threads = [threading.Thread(target=take, args=(rank,)) for rank in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert [len(s) for s in seen] == [ROWS // 2 // 16] * 2 and all(len(b) == 16 for s in seen for b in s)
-        rows = [r for s in seen for b in s for r in b]
-        assert len(set(rows)) == len(rows) == 2 * (ROWS // 2 // 16) * 16  # disjoint: 4 rows a rank dropped
-        assert set(rows) <= set(range(ROWS))
+        rows = [[r for batch in batches[rank][epoch * per_epoch:(epoch + 1) * per_epoch] for r in batch]
+                for rank in (0, 1)]
+        assert not set(rows[0]) & set(rows[1])  # disjoint
+        assert len(set(rows[0])) == len(rows[0]) == len(rows[1]) == per_epoch * 16  # as many, none twice
+        assert set(rows[0]) | set(rows[1]) <= set(range(ROWS))
+        assert ROWS - len(rows[0]) - len(rows[1]) < 2 * 16  # all but what does not fill a batch a rank
 
 
 def test_its_limits_are_refused_in_one_line_each():

@@ -40,9 +40,13 @@ def test_a_killed_fsdp_worker_resumes_bitwise_and_the_run_reshards_to_one_worker
         assert torch.equal(final_weights(killed)[name], w), name
     assert killed.metrics[-1]["train_loss"] == pytest.approx(straight.metrics[-1]["train_loss"], rel=1e-12)
 
-    # Exported: the consolidated weights, which a plain model loads into the same logits.
-    exported = export.export(str(tmp_path / "killed"), "pt")
-    model = load_model(str(tmp_path / "killed"))
+    # Exported from the killed run's final checkpoint: the uninterrupted run's weights, bit for bit,
+    # consolidated from the shards; and a plain model loads them into the same outputs.
+    exported = export.export(str(tmp_path / "killed"), "pt", checkpoint=final.name)
+    weights = torch.load(exported.weights, weights_only=True)
+    assert weights.keys() == final_weights(straight).keys()
+    assert all(torch.equal(weights[name], w) for name, w in final_weights(straight).items())
+    model = load_model(str(tmp_path / "killed"), checkpoint="latest")
     plain = load_model(exported.manifest)
     x = torch.randn(5, *checkpoint.loop_state(str(final))["input_shape"])
     assert torch.equal(plain(x), model(x))

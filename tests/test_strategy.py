@@ -77,13 +77,17 @@ def _compare(rank: int, out_dir: str) -> None:
     for name, train in TRAIN.items():
         runs.append((name, VARIANTS["fsdp"], train))
     for name, strategy, train in runs:
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
         parallel, state, step, train_loss = trained(rank, 2, strategy, **train)
+        compiled = {"wrapper": type(parallel.train_model).__name__,  # what the steps ran through
+                    "frames": torch._dynamo.utils.counters["frames"]["ok"] - frames}  # what dynamo compiled
         evaluated = evaluate(parallel.model, [tokens(4, 100 + i) for i in range(rank, 5, 2)], step)
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist()
                 for k, v in parallel.model.state_dict().items()}
         results[name] = {"train_loss": train_loss, "eval_loss": evaluated["loss"], "samples": evaluated["samples"],
                          "sharded": is_sharded(parallel.model), "mesh": parallel.mesh, "weights": full,
-                         "computed_in": sorted(parallel.model.computed_in), "held": held(parallel.model, state)}
+                         "computed_in": sorted(parallel.model.computed_in), "held": held(parallel.model, state),
+                         "compiled": compiled}
     hsdp = StrategyConfig(name="hsdp")  # one replica per node: what each rank builds, seeing both ranks' nodes
     results["layouts"] = [mesh_ranks(hsdp, 2, node).tolist() for node in (f"node{rank}", "one node")]
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
@@ -106,7 +110,13 @@ def test_fsdp_and_hsdp_train_and_evaluate_as_ddp_does(tmp_path):
     # Each rank's own training loss is the same under every strategy: the same samples, the same weights.
     for rank in ranks:
         assert rank["fsdp"]["train_loss"] == pytest.approx(rank["ddp"]["train_loss"], rel=1e-5)
-        assert rank["fsdp compiled"]["eval_loss"] == pytest.approx(ddp["eval_loss"], rel=1e-5)
+        # Compiled under FSDP: the training steps ran through torch.compile's module and dynamo
+        # compiled frames, and trained as the eager sharded model did.
+        compiled = rank["fsdp compiled"]
+        assert compiled["compiled"]["wrapper"] == "OptimizedModule" and compiled["compiled"]["frames"] > 0
+        assert rank["fsdp"]["compiled"]["frames"] == 0 and rank["fsdp"]["compiled"]["wrapper"] != "OptimizedModule"
+        assert compiled["train_loss"] == pytest.approx(rank["fsdp"]["train_loss"], rel=1e-5)
+        assert compiled["eval_loss"] == pytest.approx(ddp["eval_loss"], rel=1e-5)
         bf16 = rank["fsdp bf16"]
         assert bf16["mesh"] == [2] and bf16["eval_loss"] == pytest.approx(ddp["eval_loss"], rel=2e-2)
         assert bf16["computed_in"] == ["torch.bfloat16"] and rank["fsdp"]["computed_in"] == ["torch.float32"]
