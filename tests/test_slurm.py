@@ -5,6 +5,7 @@ Without SLURM's packages (or root) the module skips with the reason, except in C
 where that fails: `.ci/run` installs them.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -182,3 +183,35 @@ def test_the_rendered_script_for_two_gpu_nodes_asks_slurm_for_them_and_starts_ra
     assert (config["scaling"]["workers"], config["scaling"]["backend"]) == (8, "nccl")
     assert script.rstrip().splitlines()[-1].startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.cli "
                                                       "train - --address auto --min-nodes 2 --node-timeout 900 ")
+
+
+def test_a_requeued_job_resumes_its_run_from_the_checkpoint(slurm, profile):
+    """`scontrol requeue` after epoch 1, as an admin or a preemption would: SLURM runs the same job
+    again (same id), whose `train --resume-if-any` takes the run's lease back at once (the same
+    job) and continues from the epoch-1 checkpoint; its epochs go on, none repeated."""
+    job = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--name", "requeued", "--no-wait",
+              "--set", "train.epochs=3", "--set", "checkpoint.every_epochs=1", "--set", "model.name=mlp")
+    assert job.returncode == 0, job.stderr
+    job_id = submitted_id(job.stdout)
+    run_dir = re.search(r"run directory (\S+)", job.stdout).group(1)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(f"{run_dir}/checkpoint_manager_snapshot.json"):  # epoch 1 is checkpointed
+        assert time.monotonic() < deadline, cli(slurm, "logs", job_id, "--cluster", profile).stdout
+        time.sleep(1)
+    slurm.run("scontrol", "requeue", job_id)
+    deadline = time.monotonic() + 180
+    while (state := slurm.run("squeue", "--noheader", "--states=all", "--format=%T %r", "--jobs", job_id).strip()) \
+            != "COMPLETED None":
+        assert time.monotonic() < deadline, slurm.run("squeue", "--states=all", "--jobs", job_id)
+        if state == "PENDING BeginTime":  # requeued: skip SLURM's usual wait before it may start again
+            slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        time.sleep(1)
+    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    assert [row["epoch"] for row in rows] == [1, 2, 3]
+    restarts = [json.loads(line) for line in open(f"{run_dir}/restarts.jsonl")]
+    assert [r["kind"] for r in restarts] == ["resume"]  # the second attempt continued the run
+    logs = cli(slurm, "logs", job_id, "--cluster", profile).stdout
+    resumed = re.search(r"resumed from \S+ at step (\d+): epoch (\d+) from batch 0", logs)
+    assert resumed and int(resumed.group(2)) >= 2, logs
+    assert json.loads(open(f"{run_dir}/run.json").read())["status"] == "finished"
+    assert not os.path.exists(f"{run_dir}/lease.json")
