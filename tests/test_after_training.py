@@ -100,6 +100,14 @@ def test_evaluate_from_another_directory_on_its_split_and_on_a_labelled_csv(trai
     assert written["checkpoint"].endswith(name) and sum(written["classes"]["support"]) == 150
     assert os.path.getsize(f"{result.run_dir}/evaluations/{name}-eval-confusion.png") > 1000
 
+    # --checkpoint best and --data-set train: the training rows, scored as load_model scores them raw.
+    trained_on = inference.evaluate(result.run_dir, "best", "train", workers=1, echo=lambda line: None)
+    rows = customers(600, 0)
+    x = torch.from_numpy(np.stack([rows.column(c).to_numpy().astype(np.float64) for c in FEATURES], axis=1))
+    with torch.no_grad():
+        correct = (raytrain_app.load_model(result.run_dir)(x).argmax(1).numpy() == rows.column("plan").to_numpy())
+    assert trained_on["train_accuracy"] == correct.mean() and trained_on["train_samples"] == 600
+
     labelled = inference.evaluate(result.run_dir, data=str(project / "eval.csv"), echo=lambda line: None)
     assert labelled["eval_accuracy"] == best["eval_accuracy"]  # the same rows, read raw from the CSV
     report = json.loads(open(f"{result.run_dir}/evaluations/{name}-file-eval.json").read())["classes"]
@@ -116,7 +124,7 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     shuffled = rows.select(["usage_gb", "age", "monthly_fee", "support_calls", "tenure_months"])
     shuffled = shuffled.append_column("note", pa.array(["vip"] * 150)).append_column("id", pa.array(range(1000, 1150)))
     pv.write_csv(shuffled, "new.csv")  # columns in another order, one more, and ids
-    count = inference.predict(result.run_dir, "new.csv", "preds.parquet", echo=lambda line: None)
+    count = inference.predict(result.run_dir, "new.csv", "preds.parquet", "best", echo=lambda line: None)
     preds = pq.read_table("preds.parquet")
     assert count == 150 and preds.column("id").to_pylist() == list(range(1000, 1150))
     assert (preds.column("prediction").to_numpy() == truth).mean() == result.best_metrics["eval_accuracy"]

@@ -300,3 +300,17 @@ def test_a_model_that_cannot_be_traced_is_a_user_error(tmp_path):
     save_checkpoint(tmp_path / "run" / FIRST, job, input_shape=(5,), num_classes=2)
     assert "torch.jit.trace could not trace the model" in one_line_error(export, str(tmp_path / "run"),
                                                                          "torchscript")
+
+
+def test_load_model_hands_its_devices_to_a_model_that_places_itself(tmp_path):
+    """The model-parallel example's builder takes `devices`: load_model passes them on (here two
+    names of the CPU, as a worker with two GPUs would pass two GPUs)."""
+    job = JobConfig.from_dict({**DIGITS.to_dict(), "model": {"name": "examples.model_parallel.model:build"}})
+    save_checkpoint(tmp_path / "run" / FIRST, job)
+    devices = [torch.device("cpu"), torch.device("cpu", 0)]
+    loaded = raytrain_app.load_model(str(tmp_path / "run"), devices=devices)
+    assert (loaded.model.first, loaded.model.last) == (devices[0], devices[1])
+    default = raytrain_app.load_model(str(tmp_path / "run"))
+    assert default.model.last == torch.device("cpu")  # without devices: the CPU
+    rows = raw_pixels()
+    assert torch.equal(outputs(loaded, rows), outputs(default, rows))

@@ -185,9 +185,15 @@ def test_the_schema_subset_refuses_what_kuberay_would(path, value):
     ({"runtime_env": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "${AWS_SECRET_ACCESS_KEY}"}}},
      "runtime_env.env_vars.AWS_SECRET_ACCESS_KEY takes a value from this machine"),
     ({"kind": "ray", "kuberay": None}, "is a profile of kind: ray; k8s render needs kind: kuberay"),
+    ({"runtime_env": {"working_dir": "."}}, "runtime_env.working_dir is a folder on this machine, which a RayJob "
+                                            "cannot carry: put your code in kuberay.image"),
+    ({"kuberay": {"worker_memory_gb": 8}, "_args": ["--set", "scaling.memory_per_worker_gb=16"]},
+     "kuberay.worker_memory_gb 8 cannot hold 4 workers of scaling.memory_per_worker_gb 16"),
 ])
 def test_a_render_the_profile_cannot_make_is_one_line(tmp_path, monkeypatch, change, message):
     fields = yaml.safe_load(open(os.path.join(REPO, "cluster/kuberay.yaml")))
+    change = dict(change)
+    args = change.pop("_args", [])
     for key, value in change.items():
         if value is None:
             fields.pop(key)
@@ -197,5 +203,14 @@ def test_a_render_the_profile_cannot_make_is_one_line(tmp_path, monkeypatch, cha
             fields[key] = value
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(fields))
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "set-here")  # set, and still refused
-    proc = render(profile=str(tmp_path / "p.yaml"))
+    proc = render(*args, profile=str(tmp_path / "p.yaml"))
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+def test_storage_on_a_path_renders_with_a_warning(tmp_path):
+    fields = yaml.safe_load(open(os.path.join(REPO, "cluster/kuberay.yaml")))
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**fields, "storage": "/data/runs"}))
+    proc = render(profile=str(tmp_path / "p.yaml"))
+    assert proc.returncode == 0 and yaml.safe_load(proc.stdout)["kind"] == "RayJob"
+    assert proc.stderr == ("warning: storage /data/runs is a path: unless every pod mounts it (a shared volume), the "
+                           "run directory dies with the cluster and a retry starts over; use s3:// or gs://\n")

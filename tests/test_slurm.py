@@ -138,11 +138,25 @@ def test_more_gpus_or_cpus_than_the_partitions_nodes_have_is_one_line(slurm, pro
                            "the job asks for 4 (--gpus-per-node)\n")
     cpus = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--cpus-per-node", "64")
     assert cpus.returncode == 2 and "has at most 2 CPUs per node, and the job asks for 64" in cpus.stderr
+    nodes = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--nodes", "5")
+    assert nodes.returncode == 2 and nodes.stderr == (f"error: SLURM partition '{slurmcluster.PARTITION}' has 1 "
+                                                      "nodes, and the job asks for 5 (--nodes)\n")
     assert not slurm.run("squeue", "--noheader", "--states=PENDING")  # nothing was queued
     status = cli(slurm, "cluster", "status", profile)
     assert status.returncode == 0, status.stderr
     assert status.stdout.splitlines()[:2] == [f"SLURM partition '{slurmcluster.PARTITION}': 1 nodes",
                                               f"  node {slurmcluster.NODE:<12} idle    2 CPUs  0 GPUs"]
+
+
+def test_following_a_job_that_fails_exits_1(slurm, profile):
+    """A job whose model exists only in a typo (checks skipped here, as for code only the cluster
+    has): SLURM calls it FAILED, and `submit --follow` says so and exits 1."""
+    proc = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--skip-checks",
+               "--set", "model.name=nomodule:build")
+    job_id = submitted_id(proc.stdout)
+    assert proc.returncode == 1 and proc.stdout.rstrip().endswith(f"job {job_id} failed"), proc.stdout + proc.stderr
+    assert "error: -: model.name: cannot import 'nomodule'" in proc.stdout  # the job's own line, followed
+    assert cli(slurm, "status", job_id, "--cluster", profile).stdout.strip() == f"{job_id}: FAILED (NonZeroExitCode)"
 
 
 def test_unknown_jobs_and_ids_are_one_line(slurm, profile):
