@@ -105,8 +105,8 @@ class Fault(nn.Module):
 
 
 def faulty_mlp(input_shape: tuple, num_classes: int, marker: str, at: int, rank: int = -1,
-               fault: str = "crash") -> nn.Module:
-    return Fault(mlp(input_shape, num_classes, hidden=[32], dropout=0.2), marker, at, rank, fault)
+               fault: str = "crash", hidden: list = (32,)) -> nn.Module:
+    return Fault(mlp(input_shape, num_classes, hidden=list(hidden), dropout=0.2), marker, at, rank, fault)
 
 
 def augmented_digits(eval_fraction: float, split_seed: int):

@@ -140,3 +140,51 @@ def test_max_concurrent_defaults_to_the_trials_the_cluster_holds():
     assert trials_that_fit(cpu, cpus=2, gpus=0) == 1  # one, which the worker check then refuses in one line
     gpu = JobConfig.from_dict({"scaling": {"workers": 2, "gpus_per_worker": 1}})
     assert trials_that_fit(gpu, cpus=8, gpus=8) == 4  # GPUs decide, not CPUs
+
+
+def table_of(stdout: str) -> dict[str, list[str]]:
+    """The sweep table's rows by trial: the four settings, best, epochs, status (which may hold spaces)."""
+    lines = stdout[stdout.index("TRIAL "):].splitlines()[1:]
+    return {line.split()[0]: line.split(None, 7)[1:] for line in lines if line.startswith("trial-")}
+
+
+PARAMS = ["--param", "optimizer.lr=loguniform:0.01:0.2", "--param", "optimizer.momentum=uniform:0.5:0.9",
+          "--param", "model.args.hidden=choice:[16],[32]", "--param", "train.batch_size=randint:30:70"]
+
+
+def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_every_trial_fails(tmp_path):
+    """Two samples of every distribution, run to the end (fifo), ranked by eval_loss (lower first);
+    then the same command, its model made to crash: the same seed draws the same settings, and a
+    sweep whose every trial failed exits 1."""
+    common = ["sweep", "examples/digits.yaml", *PARAMS, "--samples", "2", "--workers", "1", "--max-concurrent", "1",
+              "--scheduler", "fifo", "--metric", "eval_loss", "--set", "train.epochs=1", "--set", "model.name=mlp"]
+    ran = command([*common, "--sweep-dir", str(tmp_path / "ran")], REPO, timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    rows = table_of(ran.stdout)
+    assert len(rows) == 2 and {row[-1] for row in rows.values()} == {"finished"}
+    for name, row in rows.items():
+        settings = yaml.safe_load(open(tmp_path / "ran" / name / "config.yaml"))
+        lr, momentum = settings["optimizer"]["lr"], settings["optimizer"]["momentum"]
+        hidden, batch = settings["model"]["args"]["hidden"], settings["train"]["batch_size"]
+        assert 0.01 <= lr <= 0.2 and 0.5 <= momentum <= 0.9 and hidden in ([16], [32]), settings
+        assert isinstance(batch, int) and 30 <= batch < 70, settings  # randint: HIGH excluded
+        assert float(row[0]) == pytest.approx(lr, rel=1e-3) and int(row[3]) == batch
+        loss = json.loads(open(tmp_path / "ran" / name / "metrics.jsonl").readline())["eval_loss"]
+        assert float(row[4]) == pytest.approx(loss, abs=5e-5)  # BEST eval_loss: the trial's one epoch
+    losses = [float(row[4]) for row in rows.values()]
+    assert losses == sorted(losses)  # --mode follows the metric: lower is better, best first
+    assert yaml.safe_load(open(tmp_path / "ran" / "best.yaml"))["checkpoint"] == {
+        "every_epochs": 4, "every_steps": 0, "keep": 2, "metric": "eval_loss", "mode": "min"}
+    listed = command(["runs", str(tmp_path / "ran"), "--json"], REPO)
+    assert sorted((r["name"], r["status"]) for r in json.loads(listed.stdout)) == sorted(
+        (name, "finished") for name in rows)
+
+    crash = ["--set", f"model.args={{marker: {tmp_path / 'fault'}, at: 1, fault: crash}}",
+             "--set", "model.name=tests.helpers:faulty_mlp"]
+    (tmp_path / "fault").touch()
+    failed = command([*common[:-2], *crash, "--sweep-dir", str(tmp_path / "failed")], REPO, timeout=300)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    again = table_of(failed.stdout)
+    assert {name: row[:4] for name, row in again.items()} == {name: row[:4] for name, row in rows.items()}
+    assert all(row[-1].startswith("failed") for row in again.values())
+    assert failed.stderr.startswith("training failed: every trial failed; trial-") and "injected crash" in failed.stderr
