@@ -100,6 +100,15 @@ def test_two_jobs_share_a_node_and_status_logs_stop_and_list_show_slurms_view(sl
     ports = {re.search(r"Ray head at [\d.]+:(\d+)", cli(slurm, "logs", j, "--cluster", profile).stdout).group(1)
              for j in (long_id, short_id)}
     assert len(ports) == 2  # each job's own GCS port
+    # Every port a job's Ray is given lies in a block of 200 from its GCS port (client, dashboard,
+    # agent, workers): the two blocks do not meet, and the running job listens only in its own.
+    low, high = sorted(map(int, ports))
+    assert high - low >= 200
+    head = int(re.search(r"Ray head at [\d.]+:(\d+)", logs).group(1))  # the running job's
+    block = range(head, head + 200)
+    fixed = {c.laddr.port for p in ray_processes_of(long_id) for c in p.net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port in range(low, high + 200)}
+    assert fixed and fixed <= set(block), (fixed, block)
 
     listed = cli(slurm, "list", "--cluster", profile, "--json")
     rows = {row["id"]: row for row in yaml.safe_load(listed.stdout)}
