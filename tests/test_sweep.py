@@ -53,7 +53,12 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
     assert stopped and len(set(order)) <= 3, said  # a trial is left to interrupt
     runs = [name for name, _ in itertools.groupby(order)]
     assert len(runs) == len(set(runs)), said  # --max-concurrent 1: one trial after another
-    time.sleep(3)  # Tune has ended the stopped trial; the next one is still starting (over 10 s)
+    # Tune has ended the stopped trial once the next one holds its run directory's lease: Ctrl-C
+    # while that one starts (its first epoch is seconds away, and ASHA could cut it there).
+    deadline = time.monotonic() + 60
+    while not [d for d in sweep_dir.glob("trial-*") if d.name not in order and (d / "lease.json").exists()]:
+        assert time.monotonic() < deadline, "".join(said)
+        time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, "".join(said) + out + err
