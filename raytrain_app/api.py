@@ -71,10 +71,11 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
     for warning in plan.warnings:
         echo(f"warning: {warning}")
 
-    def lost(message: str) -> None:  # the embedded node died under the run
+    def lost(message: str) -> None:  # the embedded node died under the run, which ends this process
         from raytrain_app.rundir import record_status
 
         record_status(plan.run_dir, "failed", message)
+        plan.lease.release()
 
     with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config), min_nodes, node_timeout_s,
                      on_node_lost=lost):

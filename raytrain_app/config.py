@@ -101,7 +101,7 @@ class TaskConfig(BuilderSection):
                                                            "token_accuracy; a custom step: the names it returns")
     eval_step: Optional[Builder] = Field(None, description='"pkg.module:eval_step" for a custom step\'s evaluation '
                                                            '(default: the step itself, without gradients)')
-    class_weights: Union[None, Literal["auto"], list[Annotated[float, Field(ge=0, allow_inf_nan=False)]]] = Field(
+    class_weights: Union[None, Literal["auto"], list[Annotated[float, Field(gt=0, allow_inf_nan=False)]]] = Field(
         None, description="classification: a weight per class in cross_entropy, for imbalanced data (auto: "
                           "samples / (classes x the class's samples), from the training labels of every rank)")
 
@@ -142,8 +142,6 @@ class TaskConfig(BuilderSection):
             problems.append("eval_step: is used only with a custom step")
         if self.class_weights is not None and self.name != "classification":
             problems.append(f"class_weights: are used only with task classification, not {self.name}")
-        if isinstance(self.class_weights, list) and not any(self.class_weights):
-            problems.append("class_weights: at least one weight must be above 0")
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -78,11 +78,9 @@ def export(run_dir_or_checkpoint: str, format: str, output: Optional[str] = None
     weights = _weights_path(chosen.path, None if output is None else str(output), format)
     storage.check_writable(storage.parent(weights))  # before tracing, not after
     manifest = _describe(saved, chosen.path, format, posixpath.basename(weights))
-    model = _trained(manifest, None)
-    model.model.load_state_dict(saved["model"])
     try:
         with _staged(weights) as local:
-            check = WRITERS[format](model.eval(), manifest, local)
+            check = WRITERS[format](saved["model"], manifest, local)
         storage.write_text(manifest_of(weights), json.dumps(manifest, indent=1) + "\n")
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"cannot write {weights}: {storage.explain(e)}") from None
@@ -147,15 +145,23 @@ def _version() -> str:
         return "unknown"
 
 
-def _save_safetensors(model: TrainedModel, manifest: dict, path: str) -> None:
+def _save_safetensors(weights: dict, manifest: dict, path: str) -> None:
     """Every tensor its own contiguous copy: safetensors refuses tensors that share memory (the
     GPT's tied embedding and head), and a plain `load_state_dict` then finds every key."""
-    tensors = {name: t.clone(memory_format=torch.contiguous_format) for name, t in model.model.state_dict().items()}
+    tensors = {name: t.clone(memory_format=torch.contiguous_format) for name, t in weights.items()}
     _needs("safetensors").save_file(tensors, path, metadata={"format": "pt"})
 
 
-def _save_pt(model: TrainedModel, manifest: dict, path: str) -> None:
-    torch.save(model.model.state_dict(), path)
+def _save_pt(weights: dict, manifest: dict, path: str) -> None:
+    torch.save(weights, path)
+
+
+def _model(weights: dict, manifest: dict) -> TrainedModel:
+    """The trained model behind its preprocessing, for the formats that hold both (its builder
+    must import here, which safetensors and pt do not need)."""
+    model = _trained(manifest, None)
+    model.model.load_state_dict(weights)
+    return model.eval()
 
 
 def _example(manifest: dict, batch: int = 1) -> torch.Tensor:
@@ -163,9 +169,10 @@ def _example(manifest: dict, batch: int = 1) -> torch.Tensor:
     return torch.zeros([batch, *spec["shape"][1:]], dtype=getattr(torch, spec["dtype"]))
 
 
-def _save_torchscript(model: TrainedModel, manifest: dict, path: str) -> None:
+def _save_torchscript(weights: dict, manifest: dict, path: str) -> None:
     """torch.jit.trace in eval mode on a zero batch of one: a traced module runs without Python
     source, but only along the path that input took."""
+    model = _model(weights, manifest)
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # trace's deprecation notice and its warnings about Python branches
@@ -177,12 +184,13 @@ def _save_torchscript(model: TrainedModel, manifest: dict, path: str) -> None:
         torch.jit.save(traced, path)
 
 
-def _save_onnx(model: TrainedModel, manifest: dict, path: str) -> str:
+def _save_onnx(weights: dict, manifest: dict, path: str) -> str:
     """torch.onnx.export (torch.export underneath) with a dynamic batch, in one file; then
     onnxruntime runs it on the same rows as torch, and a difference beyond float error refuses it."""
     import numpy as np
     import onnxruntime
 
+    model = _model(weights, manifest)
     example = _example(manifest, batch=2)
     try:
         with warnings.catch_warnings():
@@ -234,7 +242,7 @@ def _jit_deprecation_ignored():
         yield
 
 
-WRITERS: dict[str, Callable[[TrainedModel, dict, str], Optional[str]]] = {
+WRITERS: dict[str, Callable[[dict, dict, str], Optional[str]]] = {
     "safetensors": _save_safetensors, "pt": _save_pt, "torchscript": _save_torchscript, "onnx": _save_onnx}
 
 
@@ -290,6 +298,9 @@ def load_exported(path: str, model: Optional[Callable] = None) -> TrainedModel:
         manifest = json.loads(storage.read_text(manifest_path))
     except (OSError, pa.ArrowException, ValueError) as e:
         raise UserError(f"cannot read {manifest_path}: {storage.explain(e)}") from None
+    if not isinstance(manifest, dict) or not {"format", "model", "input_shape", "preprocessing"} <= set(manifest):
+        raise UserError(f"{manifest_path} is not an export's JSON of this raytrain-app (an older one's model.json?): "
+                        "export the run again")
     weights = manifest_path.removesuffix(".json")
     if manifest["format"] == "onnx":
         raise UserError(f"{weights} is an ONNX graph: run it with onnxruntime.InferenceSession({weights!r}) (it "

@@ -78,20 +78,21 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
     if data_set not in DATA_SETS:
         raise UserError(f"--data-set must be one of {', '.join(DATA_SETS)}, got {data_set}")
     loaded = Loaded.find(run_dir, checkpoint_name, workers)
-    run = storage.parent(loaded.directory)  # Ray keeps checkpoints in the run directory
-    held = Lease.acquire(run, "evaluate", lambda line: echo(f"warning: {line}"))  # it writes evaluations/
+    evaluations = storage.join(storage.parent(loaded.directory), "evaluations")  # checkpoints are in the run dir
+    split = f"file-{posixpath.basename(data).split('.')[0]}" if data else data_set
+    copies = storage.join(evaluations, f".{split}")  # a CSV's rows as Parquet, for the workers
+    held = Lease.acquire(storage.parent(loaded.directory), "evaluate",  # it writes evaluations/
+                         lambda line: echo(f"warning: {line}"))
     try:
-        return _evaluate(loaded, run, data_set, address, verbose, echo, data)
+        return _scored(loaded, storage.join(evaluations, f"{loaded.chosen.name}-{split}.json"), split, data_set,
+                       address, verbose, echo, data, copies)
     finally:
+        storage.remove(copies)  # however it ended
         held.release()
 
 
-def _evaluate(loaded: "Loaded", run: str, data_set: str, address: Optional[str], verbose: bool,
-              echo: Callable[[str], None], data: Optional[str]) -> dict:
-    evaluations = storage.join(run, "evaluations")
-    split = f"file-{posixpath.basename(data).split('.')[0]}" if data else data_set
-    out = storage.join(evaluations, f"{loaded.chosen.name}-{split}.json")
-    copies = storage.join(evaluations, f".{split}")  # a CSV's rows as Parquet, for the workers
+def _scored(loaded: "Loaded", out: str, split: str, data_set: str, address: Optional[str], verbose: bool,
+            echo: Callable[[str], None], data: Optional[str], copies: str) -> dict:
     rows = _labelled_input(loaded, data, copies) if data else None
     shown, data = data, storage.normalize(data) if data else None
     import ray.train  # after the checks: a wrong directory or file is reported without loading Ray
@@ -114,9 +115,6 @@ def _evaluate(loaded: "Loaded", run: str, data_set: str, address: Optional[str],
             from raytrain_app.trainer import explain_failure
 
             raise explain_failure(e, loaded.job) from None
-        finally:
-            if rows != data:
-                storage.remove(copies)
     result = json.loads(storage.read_text(out))
     if "classes" in result:
         from raytrain_app import plots
@@ -203,9 +201,6 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
     columns ignored) or the one packed column it had, with raw values: the model preprocesses
     them as training did. Classification: `prediction` (the class) and `probability`;
     regression: `prediction` (the value, or a list for several targets)."""
-    import pyarrow.parquet as pq
-    import ray
-
     loaded = Loaded.find(run_dir, checkpoint_name, workers)
     if loaded.job.task.name not in ("classification", "regression"):
         raise UserError(f"predict writes classification and regression outputs; this run's task is "
@@ -215,6 +210,17 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
     out_dir = posixpath.dirname(storage.normalize(output)) or "."
     storage.check_writable(out_dir)
     parts = storage.join(out_dir, f".{posixpath.basename(output)}.parts")
+    try:
+        return _predict(loaded, input_path, output, parts, features, batch_size, address, verbose, echo)
+    finally:
+        storage.remove(parts)  # the CSV's copy and the parts, however it ended
+
+
+def _predict(loaded: "Loaded", input_path: str, output: str, parts: str, features: list[str], batch_size: int,
+             address: Optional[str], verbose: bool, echo: Callable[[str], None]) -> int:
+    import pyarrow.parquet as pq
+    import ray
+
     source = tables.as_parquet(storage.normalize(input_path), parts, "--input")  # the tasks run elsewhere
     _check_width(loaded, source, input_path, features)
     fs, path = storage.filesystem_for(source)
@@ -254,6 +260,8 @@ def predict_row_groups(loaded: Loaded, input_path: str, features: list[str], gro
         pieces, row = [], int(starts[g])
         for batch in source.iter_batches(batch_size=batch_size, row_groups=[g], columns=features + ["id"] * keep_id):
             x = torch.from_numpy(np.asarray(feature_matrix(batch, packed, input_path)))
+            if loaded.recipe is None:  # a builder's own data: its rows are the model's inputs, as float32
+                x = x.reshape(len(x), *loaded.input_shape).float()
             with torch.no_grad():
                 out = model(x.to(devices[0])).cpu()
             piece = {"row": pa.array(np.arange(row, row + batch.num_rows))}
@@ -315,5 +323,4 @@ def _join(parts: str, groups: int, output: str) -> int:
             rows += table.num_rows
         if writer:
             writer.close()
-    parts_fs.delete_dir(parts_path)
     return rows

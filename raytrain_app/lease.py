@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import psutil
+import pyarrow as pa
 
 from raytrain_app import storage
 from raytrain_app.errors import UserError
@@ -36,6 +37,7 @@ from raytrain_app.errors import UserError
 LEASE = "lease.json"
 HEARTBEAT_S = 10.0
 STALE_S = 60.0
+SAME_JOB_WAIT_S = 3 * HEARTBEAT_S  # how long a job started again waits for its earlier attempt's heartbeat to stop
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,9 @@ def scheduler_job() -> Optional[str]:
 class Lease:
     """A held lease: renewed by a heartbeat thread until `release`."""
 
-    def __init__(self, run_dir: str, holder: Holder, version: Optional[str], warn: Callable[[str], None]):
+    def __init__(self, run_dir: str, holder: Holder, warn: Callable[[str], None]):
         self.run_dir, self.path = run_dir, storage.join(run_dir, LEASE)
-        self.holder, self.version, self.warn = holder, version, warn
+        self.holder, self.warn = holder, warn
         self.made_dir = False  # the run directory did not exist before this lease
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="raytrain-lease")
@@ -78,28 +80,42 @@ class Lease:
     @classmethod
     def acquire(cls, run_dir: str, command: str, warn: Callable[[str], None]) -> "Lease":
         """Take the run directory's lease, or a UserError naming who holds it."""
+        try:
+            return cls._acquire(run_dir, command, warn)
+        except (OSError, pa.ArrowException) as e:  # an unwritable folder, a store refusing us
+            raise UserError(f"storage {run_dir} is not writable: {storage.explain(e)}") from None
+        except Exception as e:
+            if type(e).__module__.startswith("botocore"):  # S3 refusing the credentials or the bucket
+                raise UserError(f"cannot take the lease of {run_dir}: {storage.explain(e)}") from None
+            raise
+
+    @classmethod
+    def _acquire(cls, run_dir: str, command: str, warn: Callable[[str], None]) -> "Lease":
         path = storage.join(run_dir, LEASE)
         now = time.time()
         mine = Holder(uuid.uuid4().hex, socket.gethostname(), os.getpid(), command, scheduler_job(), now, now)
         fresh = storage.is_local(run_dir) and not os.path.isdir(storage.normalize(run_dir))
-        created = _create(path, mine)
-        if created is not None:
-            held = cls(run_dir, mine, created, warn)
-            held.made_dir = fresh
-            return held._started()
-        held, version = _read(path)
-        if held is None:  # released between our two looks
-            return cls.acquire(run_dir, command, warn)
-        why = _stale(held, mine)
-        if why is None:
-            raise UserError(f"run dir {run_dir} is in use by {held.describe()}; if that process is gone, "
-                            f"--resume takes over after {STALE_S:.0f} s")
-        replaced = _replace(path, mine, version)
-        if replaced is None:
-            raise UserError(f"run dir {run_dir} was just taken by another command as well; try again")
-        if why:
-            warn(f"took over the lease of {run_dir} from {held.describe()}: {why}")
-        return cls(run_dir, mine, replaced, warn)._started()
+        patience = time.monotonic() + SAME_JOB_WAIT_S
+        for _ in range(1000):
+            if _create(path, mine):
+                held = cls(run_dir, mine, warn)
+                held.made_dir = fresh
+                return held._started()
+            found, version = _read(path)
+            if found is None and not storage.exists(path):
+                continue  # released between our two looks: create it again
+            why = "its file is unreadable" if found is None else _stale(found, mine)
+            if why is None and found.job is not None and found.job == mine.job and time.monotonic() < patience:
+                time.sleep(1)  # the same job started again: its earlier attempt's heartbeat is about to stop
+                continue
+            if why is None:
+                raise UserError(f"run dir {run_dir} is in use by {found.describe()}; if that process is gone, "
+                                f"--resume takes over after {STALE_S:.0f} s")
+            if not _take_over(path, mine, found, version):
+                raise UserError(f"run dir {run_dir} was just taken by another command as well; try again")
+            warn(f"took over the lease of {run_dir}" + (f" from {found.describe()}" if found else "") + f": {why}")
+            return cls(run_dir, mine, warn)._started()
+        raise UserError(f"run dir {run_dir}: its lease keeps changing hands; try again")
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease, if it is still ours; a run directory the lease
@@ -129,25 +145,28 @@ class Lease:
                               ": another command may write there too")
                     return
                 self.holder = Holder(**{**asdict(self.holder), "heartbeat": time.time()})
-                self.version = _replace(self.path, self.holder, version)
+                _renew(self.path, self.holder, version)
             except Exception:  # noqa: BLE001 - a store that hiccups: the next beat tries again
                 continue
 
 
-def _stale(held: Holder, taker: Optional[Holder]) -> Optional[str]:
-    """Why `held` may be taken over ("" for the same job started again), or None while it stands."""
-    if taker is not None and held.job is not None and held.job == taker.job:
-        return ""
+def _stale(held: Holder, taker: Holder) -> Optional[str]:
+    """Why `held` may be taken over, or None while it stands."""
     age = time.time() - held.heartbeat
+    if held.job is not None and held.job == taker.job and age > 2 * HEARTBEAT_S:
+        return f"the same {held.job.split(':')[0]} job, started again"
     if age > STALE_S:
         return f"no heartbeat for {age:.0f} s"
-    if held.host == socket.gethostname() and not _alive(held.pid, held.since):
+    if held.host == socket.gethostname() and not process_alive(held.pid, held.since):
         return "its process is gone"
     return None
 
 
-def _alive(pid: int, since: float) -> bool:
-    """The process that took the lease at `since` still runs (not a later one under its pid)."""
+def process_alive(pid: Optional[int], since: float) -> bool:
+    """The process that wrote a record at `since` still runs: it existed then (a process created
+    later under the pid is another; the second covers the clock's granularity), and is no zombie."""
+    if not pid:
+        return False
     try:
         process = psutil.Process(pid)
         return process.create_time() <= since + 1 and process.status() != psutil.STATUS_ZOMBIE
@@ -162,7 +181,7 @@ def _encode(holder: Holder) -> bytes:
 
 
 def _read(path: str) -> tuple[Optional[Holder], Optional[str]]:
-    """The holder and the version read (S3's ETag; elsewhere the token), or (None, None)."""
+    """The holder (None for no lease, or one that does not parse) and the version read (S3's ETag)."""
     if _is_s3(path):
         bucket, key = _s3_key(path)
         try:
@@ -173,10 +192,9 @@ def _read(path: str) -> tuple[Optional[Holder], Optional[str]]:
     if not storage.exists(path):
         return None, None
     try:
-        holder = _decode(storage.read_bytes(path))
+        return _decode(storage.read_bytes(path)), None
     except FileNotFoundError:
         return None, None
-    return holder, holder.token if holder else None
 
 
 def _decode(data: bytes) -> Optional[Holder]:
@@ -186,51 +204,95 @@ def _decode(data: bytes) -> Optional[Holder]:
         return None
 
 
-def _create(path: str, holder: Holder) -> Optional[str]:
-    """Write the lease if there is none; its version, or None when one exists."""
+def _create(path: str, holder: Holder) -> bool:
+    """Write the lease if there is none; False when one exists."""
     if _is_s3(path):
         bucket, key = _s3_key(path)
         try:
-            return _s3().put_object(Bucket=bucket, Key=key, Body=_encode(holder), IfNoneMatch="*")["ETag"]
+            _s3().put_object(Bucket=bucket, Key=key, Body=_encode(holder), IfNoneMatch="*")
+            return True
         except _s3().exceptions.ClientError as e:
             if _precondition(e):
-                return None
+                return False
             raise
     if storage.is_local(path):
         local = storage.normalize(path)
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        staged = f"{local}.{holder.token}.tmp"
-        with open(staged, "wb") as f:
-            f.write(_encode(holder))
+        staged = _staged(local, holder)
         try:
             os.link(staged, local)  # fails if the lease exists: atomic, also on network filesystems
+            return True
         except FileExistsError:
-            return None
+            return False
+        except OSError:  # a filesystem without hard links: the exclusive create of the file itself
+            try:
+                with open(local, "xb") as f:
+                    f.write(_encode(holder))
+                return True
+            except FileExistsError:
+                return False
         finally:
             os.unlink(staged)
-        return holder.token
     if storage.exists(path):
-        return None
-    return _replace(path, holder, None)
+        return False
+    return _written(path, holder)
 
 
-def _replace(path: str, holder: Holder, version: Optional[str]) -> Optional[str]:
-    """Overwrite the lease read at `version` with `holder`; the new version, or None when it
-    changed since (another writer got there first)."""
+def _take_over(path: str, holder: Holder, stale: Optional[Holder], version: Optional[str]) -> bool:
+    """Replace the stale lease (`stale`, read at `version`); False when another command got there
+    first. On a local path the file is renamed aside, which only one taker can do; if what it
+    moved is no longer the stale lease (another taker's, just made), it goes back."""
+    if _is_s3(path):
+        return _renew(path, holder, version)
+    if storage.is_local(path):
+        local = storage.normalize(path)
+        aside = f"{local}.{holder.token}.stale"
+        try:
+            os.rename(local, aside)
+        except FileNotFoundError:
+            return False
+        with open(aside, "rb") as f:
+            moved = _decode(f.read())
+        if (moved.token if moved else None) != (stale.token if stale else None):
+            with suppress(OSError):
+                os.link(aside, local)  # back, unless a third command made one meanwhile
+            os.unlink(aside)
+            return False
+        os.unlink(aside)
+        return _create(path, holder)
+    return _written(path, holder)
+
+
+def _renew(path: str, holder: Holder, version: Optional[str]) -> bool:
+    """Write our lease over the one read at `version` (S3: only if unchanged since)."""
     if _is_s3(path):
         bucket, key = _s3_key(path)
         try:
-            return _s3().put_object(Bucket=bucket, Key=key, Body=_encode(holder), IfMatch=version)["ETag"]
+            _s3().put_object(Bucket=bucket, Key=key, Body=_encode(holder), IfMatch=version)
+            return True
         except _s3().exceptions.ClientError as e:
             if _precondition(e):
-                return None
+                return False
             raise
+    if storage.is_local(path):
+        local = storage.normalize(path)
+        os.replace(_staged(local, holder), local)  # whole, under a name of its own until then
+        return True
+    return _written(path, holder)
+
+
+def _written(path: str, holder: Holder) -> bool:
+    """gs://, hdfs://: no conditional write through pyarrow; written, then read back."""
+    storage.write_text(path, _encode(holder).decode())
     current, _ = _read(path)
-    if current is not None and current.token != version:
-        return None
-    storage.write_text(path, _encode(holder).decode())  # written whole, then renamed into place
-    current, _ = _read(path)
-    return holder.token if current is not None and current.token == holder.token else None
+    return current is not None and current.token == holder.token
+
+
+def _staged(local: str, holder: Holder) -> str:
+    staged = f"{local}.{holder.token}.tmp"
+    with open(staged, "wb") as f:
+        f.write(_encode(holder))
+    return staged
 
 
 def _delete(path: str) -> None:

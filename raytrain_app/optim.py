@@ -33,6 +33,8 @@ class Schedule:
     at (`extend`). Its attributes are plain numbers, which LambdaLR saves in its state_dict and
     restores, so the curve a run was on comes back with its checkpoint."""
 
+    CONFIGURED = ("name", "min_ratio", "warmup")  # the config's, also after a restore: --set applies on resume
+
     def __init__(self, config: ScheduleConfig, steps_per_epoch: int, epochs: int):
         self.name, self.min_ratio = config.name, config.min_lr_ratio
         self.warmup = round(config.warmup_epochs * steps_per_epoch)
@@ -76,12 +78,15 @@ def configured_hyperparameters(optimizer: torch.optim.Optimizer, scheduler):
     e.g. to continue below the lr at which a loss went NaN."""
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     base_lrs = list(scheduler.base_lrs)
+    shapes = [{k: getattr(f, k) for k in Schedule.CONFIGURED} for f in scheduler.lr_lambdas]
     try:
         yield
     finally:  # also after a load that failed midway: the next checkpoint tried must see the config's values
         scheduler.base_lrs = base_lrs
         for group, hyper in zip(optimizer.param_groups, configured):
             group.update(hyper)
+        for schedule, shape in zip(scheduler.lr_lambdas, shapes):  # the curve's kind, warmup and floor
+            schedule.__dict__.update(shape)
         set_lr(optimizer, scheduler)
 
 

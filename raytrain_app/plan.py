@@ -61,10 +61,10 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bo
     if resume == "if_any" and not run_dir:
         raise UserError("--resume-if-any needs --run-dir: the run it may continue")
     run_dir = storage.normalize(run_dir or _latest_or_new_run_dir(config.name, resume))
-    storage.check_writable(run_dir)
     # Before anything else looks at the directory: a second writer is refused here, in one line.
     held = Lease.acquire(run_dir, "sweep trial" if sweep_trial else "train", warn)
     try:
+        storage.check_writable(run_dir)  # a full or read-only volume, now, not at the first checkpoint
         return _checked(config, run_dir, resume, source, held)
     except BaseException:
         held.release()

@@ -82,9 +82,11 @@ def read_config(run_dir: str) -> Optional[dict]:
 
 
 def kept(run_dir: str) -> list[Kept]:
-    """The run's checkpoints, oldest first (Ray names them by time)."""
-    return [_kept(storage.join(run_dir, name)) for name in storage.subdirectories(run_dir)
-            if name.startswith("checkpoint_")]
+    """The run's checkpoints that say where they were taken, oldest first (Ray names them by
+    time); one being written, or left half-written, is not one yet."""
+    found = (_kept(storage.join(run_dir, name)) for name in storage.subdirectories(run_dir)
+             if name.startswith("checkpoint_"))
+    return [k for k in found if k is not None]
 
 
 def write_position(checkpoint_dir: str, epoch: int, step: int, batch: int) -> None:
@@ -93,15 +95,18 @@ def write_position(checkpoint_dir: str, epoch: int, step: int, batch: int) -> No
                                                                            "batch": batch}))
 
 
-def _kept(path: str) -> Kept:
+def _kept(path: str) -> Optional[Kept]:
     position = storage.join(path, POSITION)
-    if storage.exists(position):
-        saved = json.loads(storage.read_text(position))
-    else:  # written before checkpoints named their position: it is in rank 0's state
-        from raytrain_app.checkpoint import loop_state  # torch, only for such a run
+    try:
+        if storage.exists(position):
+            saved = json.loads(storage.read_text(position))
+        else:  # written before checkpoints named their position: it is in rank 0's state
+            from raytrain_app.checkpoint import loop_state  # torch, only for such a run
 
-        saved = loop_state(path)
-    return Kept(path, int(saved["epoch"]), int(saved["step"]), int(saved["batch"]))
+            saved = loop_state(path)
+        return Kept(path, int(saved["epoch"]), int(saved["step"]), int(saved["batch"]))
+    except (UserError, ValueError, KeyError, OSError):
+        return None
 
 
 def remove_partial(run_dir: str) -> list[str]:
@@ -186,6 +191,10 @@ def choose(path: str, which: Optional[str] = None) -> Chosen:
         return Chosen(path, "named")
     checkpoints = kept(path)
     if not checkpoints:
+        others = [name for name in storage.subdirectories(path) if name.startswith("checkpoint_")]
+        if others:  # a script's checkpoints hold its own files
+            raise UserError(f"{storage.join(path, others[-1])} holds no readable {STATE_FILE}: only the checkpoints "
+                            "of raytrain-app's own training loop can be used here")
         raise UserError(f"no checkpoint in {path}: name a run directory or one of its checkpoint_* directories")
     latest = Chosen(checkpoints[-1].path, f"latest: epoch {checkpoints[-1].epoch}"
                                           + (f", batch {checkpoints[-1].batch}" if checkpoints[-1].batch else ""))
@@ -234,11 +243,17 @@ def _key(row: dict) -> int:
     return row.get("epoch", row.get("report", 0))
 
 
+def read_record(run_dir: str) -> dict:
+    """run.json as record_status wrote it, or {} before it has."""
+    path = storage.join(run_dir, "run.json")
+    return json.loads(storage.read_text(path)) if storage.exists(path) else {}
+
+
 def record_status(run_dir: str, status: str, reason: str = "") -> None:
     """RUN_DIR/run.json: whether the run is running (and which process runs it), finished,
     failed or interrupted, for `raytrain-app runs`; its first start survives resumes."""
     path = storage.join(run_dir, "run.json")
-    earlier = json.loads(storage.read_text(path)) if storage.exists(path) else {}
+    earlier = read_record(run_dir)
     now = time.time()
     record = {"status": status, "started": earlier.get("started", now), "updated": now,
               "host": socket.gethostname(), "pid": os.getpid(), **({"reason": reason} if reason else {})}

@@ -16,14 +16,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-import psutil
 
 from raytrain_app import rundir, storage
 from raytrain_app.errors import UserError
+from raytrain_app.lease import process_alive
 
-# A process that wrote "running" existed before it wrote it; one created later under the same
-# pid is another process. The slack covers the clock's granularity, not a real delay.
-CREATE_TIME_SLACK_S = 1.0
 _DEFAULT_DIR = re.compile(r"-(\d{8}-\d{6})$")  # runs/NAME-YYYYmmdd-HHMMSS, as `train` names them
 COLUMNS = ("NAME", "START", "EPOCHS", "BEST", "STATUS")
 
@@ -56,7 +53,7 @@ def _read_run(base: str, name: str) -> Optional[RunInfo]:
     config = rundir.read_config(path)
     if config is None:
         return None
-    record = _read_json(storage.join(path, "run.json"))
+    record = rundir.read_record(path)
     rows = rundir.read_metrics(path)
     script = bool(config.get("script"))
     epochs = None if script else config.get("train", {}).get("epochs")
@@ -91,7 +88,7 @@ def _status(record: dict, epochs_done: int, epochs: Optional[int], snapshot: boo
     if recorded == "running":
         if record.get("host") != socket.gethostname():
             return f"running on {record.get('host')}"  # another machine's process: not ours to ask
-        if _alive(record.get("pid"), record.get("updated", record.get("started", 0.0))):
+        if process_alive(record.get("pid"), record.get("updated", record.get("started", 0.0))):
             return "running"
     if recorded is None and epochs is None:
         return "unknown"  # an older script's run: its checkpoints stay whether it ended well or not
@@ -102,26 +99,11 @@ def _status(record: dict, epochs_done: int, epochs: Optional[int], snapshot: boo
     return recorded if recorded in ("failed", "interrupted", "stopped early") else "failed"  # "running": it died
 
 
-def _alive(pid: Optional[int], written: float) -> bool:
-    """The process that wrote "running" at `written` is still there (not a later one reusing its pid)."""
-    if not pid or not psutil.pid_exists(pid):
-        return False
-    try:
-        process = psutil.Process(pid)
-        return process.create_time() <= written + CREATE_TIME_SLACK_S and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _best(path: str, rows: list[dict]) -> str:
     """The best checkpoint's score and epoch, as every command picks it (`rundir.best`)."""
     found, row = rundir.best(path, rows=rows)
     metric, _ = rundir.ranking(rundir.read_config(path))
     return f"{metric} {row[metric]:.4f} (epoch {row['epoch']})" if found else "-"
-
-
-def _read_json(path: str) -> dict:
-    return json.loads(storage.read_text(path)) if storage.exists(path) else {}
 
 
 def _started_from_name(name: str) -> Optional[float]:

@@ -164,12 +164,13 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
         route_raylet_errors(logging.getLogger("ray").warning)
     session_logs = session_logs_dir()
     global _watch
-    _watch = NodeWatch(session_logs, log_dir, on_node_lost)
-    _watch.start()
     try:
+        _watch = NodeWatch(session_logs, log_dir, on_node_lost)
+        _watch.start()
         yield
     finally:
-        _watch.stop()  # before the node stops on purpose
+        if _watch is not None and _watch.is_alive():
+            _watch.stop()  # before the node stops on purpose
         _watch = None
         ray.shutdown()
         copy_logs(session_logs, log_dir, lambda line: echo(f"warning: {line}"))

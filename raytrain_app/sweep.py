@@ -363,9 +363,10 @@ def _summary(sweep: Sweep, sweep_dir: str, trial, interrupted: bool, errors: dic
         status = "finished"
     elif interrupted and trial.status != "TERMINATED":
         status = "interrupted"
-    else:  # Tune ended it before its last epoch: ASHA's rung cut it
+    else:  # Tune ended it before its last epoch: ASHA's rung cut it, or its own train.early_stopping
         status = "stopped early"
-        rundir.record_status(run_dir, status, f"{sweep.scheduler} stopped it after epoch {done}")
+        if rundir.read_record(run_dir).get("status") != status:  # the trial's own reason stands
+            rundir.record_status(run_dir, status, f"{sweep.scheduler} stopped it after epoch {done}")
     return Trial(name, dict(trial.config), best[sweep.metric] if best else None, best["epoch"] if best else None,
                  done, status)
 

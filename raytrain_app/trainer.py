@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import threading
 import time
 from contextlib import suppress

@@ -72,7 +72,7 @@ def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, 
     with pytest.raises(UserError, match=r"in use by pid 4242 on host gpu-node-7 \(train\) since"):
         Lease.acquire(str(tmp_path), "train", print)
     stale = Holder(**{**elsewhere.__dict__, "heartbeat": now - lease.STALE_S - 1})
-    lease._replace(path, stale, "t1")
+    lease._renew(path, stale, None)
     said = []
     held = Lease.acquire(str(tmp_path), "train", said.append)
     assert said and said[0].startswith(f"took over the lease of {tmp_path} from pid 4242 on host gpu-node-7")
@@ -80,13 +80,20 @@ def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, 
     held.release()
     assert not os.path.exists(path)
 
-    # A SLURM requeue runs the same job id on another node: its lease is its own, taken at once.
+    # A SLURM requeue runs the same job id on another node: its lease is its own, taken once the
+    # earlier attempt's heartbeat has stopped for two beats (not the full staleness).
     monkeypatch.setenv("SLURM_JOB_ID", "777")
-    lease._create(path, Holder("t2", "gpu-node-8", 99, "train", "slurm:777", now, time.time()))
+    lease._create(path, Holder("t2", "gpu-node-8", 99, "train", "slurm:777", now, now - 2 * lease.HEARTBEAT_S - 1))
     said.clear()
     held = Lease.acquire(str(tmp_path), "train", said.append)
-    assert held.holder.job == "slurm:777" and said == []
+    assert held.holder.job == "slurm:777" and said[-1].endswith("the same slurm job, started again")
     held.release()
+    # ... but while that attempt still beats, the same job waits for it, then is refused.
+    monkeypatch.setattr(lease, "SAME_JOB_WAIT_S", 2)
+    lease._create(path, Holder("t4", "gpu-node-8", 99, "train", "slurm:777", now, time.time() + 5))
+    with pytest.raises(UserError, match="is in use by pid 99 on host gpu-node-8"):
+        Lease.acquire(str(tmp_path), "train", said.append)
+    os.unlink(path)
 
     # On this host, a holder whose process is gone is gone: no need to wait for its heartbeat to age.
     monkeypatch.delenv("SLURM_JOB_ID")
@@ -95,6 +102,11 @@ def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, 
     lease._create(path, Holder("t3", socket.gethostname(), gone.pid, "train", None, now, time.time()))
     held = Lease.acquire(str(tmp_path), "evaluate", said.append)
     assert said[-1].endswith("its process is gone")
+    held.release()
+    # A torn lease file (a full disk while it was written) is nobody's: taken over, said so.
+    open(path, "w").write('{"token": "t5", "ho')
+    held = Lease.acquire(str(tmp_path), "train", said.append)
+    assert said[-1] == f"took over the lease of {tmp_path}: its file is unreadable"
     held.release()
 
 

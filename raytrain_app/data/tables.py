@@ -31,8 +31,10 @@ def columns_of(path: str, what: str) -> list[str]:
     fs, inner = storage.filesystem_for(path)
     try:
         if is_csv(path):
-            return _open_csv(fs, inner).schema.names
-        return pq.ParquetFile(fs.open_input_file(inner)).schema_arrow.names
+            with fs.open_input_stream(inner) as f:
+                return pv.open_csv(f).schema.names
+        with fs.open_input_file(inner) as f:
+            return pq.ParquetFile(f).schema_arrow.names
     except (pa.ArrowException, OSError) as e:
         kind = "CSV" if is_csv(path) else "Parquet"
         raise UserError(f"{what} {path} is not a readable {kind} file: {storage.explain(e)}") from None
@@ -57,14 +59,12 @@ def as_parquet(path: str, folder: str, what: str) -> str:
     out_fs, out_inner = storage.filesystem_for(out)
     out_fs.create_dir(posixpath.dirname(out_inner), recursive=True)
     try:
-        reader = _open_csv(fs, inner)
-        with out_fs.open_output_stream(out_inner) as f, pq.ParquetWriter(f, reader.schema) as writer:
-            for batch in reader:
-                writer.write_batch(batch, row_group_size=ROW_GROUP_ROWS)
+        with fs.open_input_stream(inner) as source:
+            reader = pv.open_csv(source)
+            with out_fs.open_output_stream(out_inner) as f, pq.ParquetWriter(f, reader.schema) as writer:
+                for batch in reader:
+                    writer.write_batch(batch, row_group_size=ROW_GROUP_ROWS)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{what} {path} is not a readable CSV file: {storage.explain(e)}") from None
     return out
 
-
-def _open_csv(fs, inner: str) -> pv.CSVStreamingReader:
-    return pv.open_csv(fs.open_input_stream(inner))
