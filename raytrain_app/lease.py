@@ -82,11 +82,9 @@ class Lease:
         """Take the run directory's lease, or a UserError naming who holds it."""
         try:
             return cls._acquire(run_dir, command, warn)
-        except (OSError, pa.ArrowException) as e:  # an unwritable folder, a store refusing us
-            raise UserError(f"storage {run_dir} is not writable: {storage.explain(e)}") from None
-        except Exception as e:
-            if type(e).__module__.startswith("botocore"):  # S3 refusing the credentials or the bucket
-                raise UserError(f"cannot take the lease of {run_dir}: {storage.explain(e)}") from None
+        except Exception as e:  # an unwritable folder; a store refusing the credentials or the bucket
+            if isinstance(e, (OSError, pa.ArrowException)) or type(e).__module__.startswith("botocore"):
+                raise UserError(f"storage {run_dir} is not writable: {storage.explain(e)}") from None
             raise
 
     @classmethod

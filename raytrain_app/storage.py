@@ -153,11 +153,22 @@ _REFUSED = {"ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH"
 
 def explain(e: BaseException) -> str:
     """An object store's error in a few words: the AWS error code and its message, not the
-    SDK's request ids; refused credentials say where credentials come from."""
-    found = _AWS_ERROR.search(str(e))
-    if not found:
-        return last_line(e)
-    code, detail = found.group(1), found.group(2).strip().rstrip(".")
+    SDK's request ids; refused credentials say where credentials come from.
+
+    pyarrow and boto3 (the lease) name one refusal differently; both read the same here."""
+    error = getattr(e, "response", None)
+    if isinstance(error, dict) and isinstance(error.get("Error"), dict):  # botocore's ClientError
+        code = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", str(error["Error"].get("Code", ""))).upper()
+        detail = str(error["Error"].get("Message", "")).strip().rstrip(".")
+        if code == "NO_SUCH_BUCKET":
+            return f"Bucket '{error['Error'].get('BucketName', '')}' not found"
+        if code in _REFUSED:  # a wrong secret and an unknown key are one refusal to the user
+            code = "ACCESS_DENIED"
+    else:
+        found = _AWS_ERROR.search(str(e))
+        if not found:
+            return last_line(e)
+        code, detail = found.group(1), found.group(2).strip().rstrip(".")
     text = code + (f": {detail}" if detail and detail != "No response body" else "")
     if code in _REFUSED:
         text += (" (check the credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY here, and the profile's "
