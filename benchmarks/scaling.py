@@ -30,8 +30,8 @@ import tempfile
 
 import torch
 
-from raytrain_app.session import embedded_cluster
-from raytrain_app.trainer import run_training
+from raytrain_app.cluster.session import embedded_cluster
+from raytrain_app.driver.trainer import run_training
 
 # The job, plan and table helpers of benchmarks/throughput.py, beside this file.
 from throughput import median_after_first, print_table, raytrain_job, raytrain_plan
@@ -77,8 +77,8 @@ def main() -> None:
         rate, epoch_s = median_of(w, "samples_per_s"), median_of(w, "epoch_time_s")
         split = {k: median_of(w, k) for k in ("data_wait_frac", "comm_frac", "compute_frac")}
         efficiency = rate / (w * single)
-        rows.append([str(w), f"{rate:,.0f}", f"{rate / w:,.0f}", f"{efficiency:.2f}", f"{plain[w] / (w * plain[1]):.2f}",
-                     f"{rate / plain[w]:.2f}x",
+        rows.append([str(w), f"{rate:,.0f}", f"{rate / w:,.0f}", f"{efficiency:.2f}",
+                     f"{plain[w] / (w * plain[1]):.2f}", f"{rate / plain[w]:.2f}x",
                      *("-" if v is None else f"{v:.0%}" for v in split.values()), f"{epoch_s:.2f}", f"{walls[w]:.1f}"])
         results.append({"workers": w, "samples_per_s": rate, "efficiency": efficiency,
                         "plain_ddp_samples_per_s": plain[w], **split,

@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TaskConfig
+from raytrain_app.config.sections import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TaskConfig
 from raytrain_app.data import build_datasets, keep_on_device, to_device, train_loader
-from raytrain_app.loop import Precision, Step, seed_everything, train_epoch
 from raytrain_app.models import build_model
-from raytrain_app.nonfinite import LossCheck
-from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.state import TrainState
-from raytrain_app.strategy import compiled
 from raytrain_app.tasks import CustomStep, build_task
+from raytrain_app.worker.loop import Precision, Step, seed_everything, train_epoch
+from raytrain_app.worker.nonfinite import LossCheck
+from raytrain_app.worker.optim import build_optimizer, build_schedule
+from raytrain_app.worker.state import TrainState
+from raytrain_app.worker.strategy import compiled
 
 
 def main() -> None:
@@ -57,8 +57,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
-    data = build_datasets(DataConfig(name="synthetic", args={"shape": [3, 32, 32], "train_size": args.steps * args.batch,
-                                                             "eval_size": 8}))
+    data = build_datasets(DataConfig(name="synthetic", args={"shape": [3, 32, 32],
+                                                             "train_size": args.steps * args.batch, "eval_size": 8}))
     seed_everything(0)
     # channels_last for conv nets on CUDA, as the worker loop's `channels_last: auto` does.
     conv = args.model != "mlp"

@@ -101,7 +101,7 @@ def worker(spec: dict) -> dict:
     import psutil
     import torch
 
-    from raytrain_app.config import DataConfig
+    from raytrain_app.config.sections import DataConfig
     from raytrain_app.data import build_datasets, train_loader
 
     torch.set_num_threads(spec["threads"])
@@ -207,10 +207,18 @@ def main() -> None:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
 
-    med = lambda ws, f: statistics.median(f(w) for w in ws)
-    above = lambda w: w["peak"] - w["baseline"]
-    epoch_rate = lambda w: w["rows"] / w["epoch_s"]
-    total_rate = lambda w: w["rows"] / (w["build_s"] + w["epoch_s"])
+    def med(ws, f):
+        return statistics.median(f(w) for w in ws)
+
+    def above(w):
+        return w["peak"] - w["baseline"]
+
+    def epoch_rate(w):
+        return w["rows"] / w["epoch_s"]
+
+    def total_rate(w):
+        return w["rows"] / (w["build_s"] + w["epoch_s"])
+
     print(f"\n{os.cpu_count()} CPUs, torch {torch.__version__}, pyarrow {pa.__version__}; {args.world} worker "
           f"processes side by side per variant, batch {args.batch}, {args.threads} torch thread(s) each; "
           f"{args.repeats} rounds, medians over rounds and ranks")

@@ -51,14 +51,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from raytrain_app.session import embedded_cluster
-from raytrain_app.config import ModelConfig, with_overrides
+from raytrain_app.cluster.session import embedded_cluster
+from raytrain_app.config import with_overrides
+from raytrain_app.config.sections import ModelConfig
 from raytrain_app.data.synthetic import synthetic
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import UserError
-from raytrain_app.metrics import peak_flops, train_flops_per_sample
 from raytrain_app.models import build_model
-from raytrain_app.plan import make_plan
-from raytrain_app.trainer import run_training
+from raytrain_app.worker.metrics import peak_flops, train_flops_per_sample
 
 SHAPE = [3, 32, 32]
 NUM_CLASSES = 10

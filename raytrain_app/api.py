@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from raytrain_app.config import JobConfig, load_config, with_overrides
+from raytrain_app.config import JobConfig, flag_overrides, load_config, with_overrides
 from raytrain_app.errors import Interrupted, UserError
 
 
@@ -24,24 +24,23 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     run's `Result` (run_dir, metrics per epoch, best and final checkpoint, wall time).
 
     A path ending in `.py` is a torchrun-style script instead, run unchanged on every worker with
-    `script_args` as its arguments (see `script.py`); `overrides` then set its name, scaling,
+    `script_args` as its arguments (see `worker/script.py`); `overrides` then set its name, scaling,
     failure and checkpoint.keep.
 
     In a dict or JobConfig, `model.name` and `data.name` may be the builder functions themselves
     (a notebook's, say). `overrides` are `--set` expressions; `workers`/`gpus_per_worker` set the
-    scaling; `resume` True continues a run (see `make_plan` for "if_any"); `address` picks the cluster as `--address` does, and a process already connected to
-    Ray (`ray.init()` done) trains there, and a cluster at `address` gets `node_timeout_s` to
-    reach `min_nodes` nodes; `echo` receives the console lines. Raises UserError
-    (ConfigError) for anything the user can fix, TrainingFailed when training started and did not
-    finish.
+    scaling; `resume` True continues a run (see `make_plan` for "if_any"); `address` picks the cluster
+    as `--address` does, and a process already connected to Ray (`ray.init()` done) trains there,
+    and a cluster at `address` gets `node_timeout_s` to reach `min_nodes` nodes; `echo` receives
+    the console lines. Raises UserError (ConfigError) for anything the user can fix, TrainingFailed
+    when training started and did not finish.
     """
     marks = {"start": started or time.time()}
-    scaling = {k: v for k, v in (("workers", workers), ("gpus_per_worker", gpus_per_worker)) if v is not None}
-    sets = [*(overrides or ()), *(f"scaling.{key}={value}" for key, value in scaling.items())]
+    sets = [*(overrides or ()), *flag_overrides(workers=workers, gpus_per_worker=gpus_per_worker)]
     source, job = job_config(config, sets, script_args)
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
-    from raytrain_app.plan import make_plan
+    from raytrain_app.driver.plan import make_plan
 
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"))
     try:
@@ -57,13 +56,13 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
 
 def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s):
     """The planned run on its cluster."""
-    from raytrain_app.capacity import spare_cpus
-    from raytrain_app.console import count
-    from raytrain_app.session import cluster_for
-
     # torch loads before Ray connects (a job's checks have loaded it already; a script's have
     # not): loaded after Ray inside a Ray job, libtorch fails with "oneMKL FATAL ERROR".
     import torch  # noqa: F401
+
+    from raytrain_app.cluster.capacity import spare_cpus
+    from raytrain_app.cluster.session import cluster_for
+    from raytrain_app.console import count
     marks["planned"] = time.time()
     s = plan.config.scaling
     what = plan.config.script.path if plan.config.script else f"{s.backend}, {plan.config.train.precision}"
@@ -79,7 +78,7 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
 
     with cluster_for(s, address, plan.log_dir, verbose, echo, spare_cpus(plan.config), min_nodes, node_timeout_s,
                      on_node_lost=lost):
-        from raytrain_app.trainer import run_training
+        from raytrain_app.driver.trainer import run_training
 
         marks["cluster"] = time.time()
         return run_training(plan, progress=progress, echo=echo, marks=marks)
@@ -111,28 +110,3 @@ def job_config(config: Union[str, Path, dict, JobConfig], overrides: Sequence[st
     return "<config>", with_overrides(raw, overrides)
 
 
-def load_model(path: str, model: Optional[Callable] = None, devices: Optional[Sequence] = None,
-               checkpoint: Optional[str] = None):
-    """The trained model, weights loaded and in eval mode, taking inputs as the training data
-    stored them (raw CSV values, uint8 pixels): it resizes and normalises them itself, as training
-    did. `.model` inside it is the model as built; `.source` says which checkpoint it is.
-
-    `path` is a run directory, a checkpoint directory, or an export (`raytrain-app export`: its
-    JSON, its weights file, or their directory); local paths or URIs. In a run directory,
-    `checkpoint` picks "best", "latest" or a checkpoint_* name; by default the best where the run
-    scored its checkpoints, else the latest (`rundir.choose`). `model` is the builder to use
-    instead of the saved name (needed when training was given a notebook's function); `devices`
-    go to a builder that places its own layers (default: the CPU).
-    """
-    from raytrain_app import checkpoint as checkpoints, export, rundir
-    from raytrain_app.models.trained import rebuild
-
-    if export.is_export(str(path)):
-        return export.load_exported(str(path), model)
-    chosen = rundir.choose(str(path), checkpoint)
-    saved = checkpoints.for_inference(chosen.path)
-    config = JobConfig.from_dict(saved["config"], source=chosen.path).model
-    built = rebuild(config, model, saved["input_shape"], saved["num_classes"], saved["preprocess"], chosen.path,
-                    devices)
-    built.model.load_state_dict(saved["model"])
-    return built.eval()

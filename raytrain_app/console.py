@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Optional
 
 
@@ -110,6 +111,32 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """The one table printer: aligned columns under a header, two spaces apart, the last one
+    unpadded (it may be long: a path)."""
+    lines = [header, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    return "\n".join("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]) for line in lines)
+
+
+JOB_COLUMNS = ("ID", "NAME", "STATUS", "START", "DURATION", "WORKERS", "RUN DIR")
+
+
+def jobs_table(rows: list[dict]) -> str:
+    """`list`'s table of an engine's jobs (`Backend.jobs` rows)."""
+    return columns(JOB_COLUMNS, [(r["id"], r["name"], r["status"],
+                                  time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start"])) if r["start"] else "-",
+                                  duration(r["duration_s"]), r["workers"], r["run_dir"]) for r in rows])
+
+
+def duration(seconds: Optional[float]) -> str:
+    """A job's running time as `list` shows it: 4m05s, 2h03m."""
+    if seconds is None:
+        return "-"
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
 
 
 def summary_table(rows: list[tuple[str, str]]) -> str:

@@ -79,7 +79,8 @@ def last_line(e: BaseException) -> str:
 # Ray reports a failed worker as an exception whose text nests tracebacks and, for a process that
 # died, an "exit detail" and the worker's node_ip and pid; these turn that into one clause.
 
-_EXIT_DETAIL = re.compile(r"Worker exit detail: ([^\n]+?)(?: The (?:process|worker)| Some common causes|$)", re.MULTILINE)
+_EXIT_DETAIL = re.compile(r"Worker exit detail: ([^\n]+?)(?: The (?:process|worker)| Some common causes|$)",
+                          re.MULTILINE)
 _IP = re.compile(r"(?<![A-Za-z])ip[=:]\s*'?([0-9a-fA-F.:]+[0-9a-fA-F])")
 _PID = re.compile(r"\bpid[=:]\s*(\d+)")
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import default_collate
 
-from raytrain_app import registry
-from raytrain_app.config import TaskConfig
+from raytrain_app.config import registry
+from raytrain_app.config.sections import TaskConfig
 from raytrain_app.data.arrays import ArrayDataset
 from raytrain_app.errors import UserError
 

@@ -23,7 +23,8 @@ import time
 from typing import Optional
 
 from raytrain_app import storage
-from raytrain_app.config import JobConfig, MlflowConfig, TrackingConfig
+from raytrain_app.config import JobConfig
+from raytrain_app.config.sections import MlflowConfig, TrackingConfig
 from raytrain_app.errors import UserError
 
 TRACKING_FILE = "tracking.json"

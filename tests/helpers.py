@@ -15,13 +15,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from raytrain_app import checkpoint
 from raytrain_app.config import JobConfig
 from raytrain_app.data import build_datasets
 from raytrain_app.data.preprocess import recipe
 from raytrain_app.models import build_model, mlp
-from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.state import TrainState
+from raytrain_app.worker import checkpoint
+from raytrain_app.worker.optim import build_optimizer, build_schedule
+from raytrain_app.worker.state import TrainState
 
 
 def write_parquet(path, n: int, features: int = 8, classes: int = 3, seed: int = 0) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import boto3
 
-from raytrain_app.session import free_port
+from raytrain_app.cluster.session import free_port
 
 SETUP_ACTIONS = 3  # create_user, create_access_key, put_user_policy
 
@@ -51,7 +51,8 @@ def start_moto(log_path: str) -> tuple[subprocess.Popen, ObjectStore]:
     port = free_port()
     server = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
     proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=open(log_path, "wb"),
-                            stderr=subprocess.STDOUT, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(SETUP_ACTIONS)})
+                            stderr=subprocess.STDOUT,
+                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(SETUP_ACTIONS)})
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import raytrain_app
-from raytrain_app import inference, rundir
+from raytrain_app import rundir
+from raytrain_app.inference import scoring
 from tests.commands import command
 from tests.conftest import REPO
 
@@ -92,7 +93,7 @@ def test_evaluate_from_another_directory_on_its_split_and_on_a_labelled_csv(trai
     project, result, elsewhere = trained
     monkeypatch.chdir(elsewhere)
     best = result.best_metrics
-    metrics = inference.evaluate(os.path.relpath(result.run_dir), workers=1, echo=lambda line: None)
+    metrics = scoring.evaluate(os.path.relpath(result.run_dir), workers=1, echo=lambda line: None)
     assert metrics["eval_accuracy"] == best["eval_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(best["eval_loss"], rel=1e-6)  # class-weighted, as trained
     name = rundir.choose(result.run_dir).name
@@ -101,14 +102,14 @@ def test_evaluate_from_another_directory_on_its_split_and_on_a_labelled_csv(trai
     assert os.path.getsize(f"{result.run_dir}/evaluations/{name}-eval-confusion.png") > 1000
 
     # --checkpoint best and --data-set train: the training rows, scored as load_model scores them raw.
-    trained_on = inference.evaluate(result.run_dir, "best", "train", workers=1, echo=lambda line: None)
+    trained_on = scoring.evaluate(result.run_dir, "best", "train", workers=1, echo=lambda line: None)
     rows = customers(600, 0)
     x = torch.from_numpy(np.stack([rows.column(c).to_numpy().astype(np.float64) for c in FEATURES], axis=1))
     with torch.no_grad():
         correct = (raytrain_app.load_model(result.run_dir)(x).argmax(1).numpy() == rows.column("plan").to_numpy())
     assert trained_on["train_accuracy"] == correct.mean() and trained_on["train_samples"] == 600
 
-    labelled = inference.evaluate(result.run_dir, data=str(project / "eval.csv"), echo=lambda line: None)
+    labelled = scoring.evaluate(result.run_dir, data=str(project / "eval.csv"), echo=lambda line: None)
     assert labelled["eval_accuracy"] == best["eval_accuracy"]  # the same rows, read raw from the CSV
     report = json.loads(open(f"{result.run_dir}/evaluations/{name}-file-eval.json").read())["classes"]
     truth = customers(150, 1).column("plan").to_numpy()
@@ -124,7 +125,7 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     shuffled = rows.select(["usage_gb", "age", "monthly_fee", "support_calls", "tenure_months"])
     shuffled = shuffled.append_column("note", pa.array(["vip"] * 150)).append_column("id", pa.array(range(1000, 1150)))
     pv.write_csv(shuffled, "new.csv")  # columns in another order, one more, and ids
-    count = inference.predict(result.run_dir, "new.csv", "preds.parquet", "best", echo=lambda line: None)
+    count = scoring.predict(result.run_dir, "new.csv", "preds.parquet", "best", echo=lambda line: None)
     preds = pq.read_table("preds.parquet")
     assert count == 150 and preds.column("id").to_pylist() == list(range(1000, 1150))
     assert (preds.column("prediction").to_numpy() == truth).mean() == result.best_metrics["eval_accuracy"]
@@ -132,7 +133,7 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     # The converter's label-less mode gives the same rows as Parquet, and the same predictions.
     pv.write_csv(rows.drop(["plan"]), "new-rows.csv")
     to_parquet("csv", "new-rows.csv", "new-parquet", "--no-label")
-    inference.predict(result.run_dir, "new-parquet/part-00000.parquet", "preds2.parquet", echo=lambda line: None)
+    scoring.predict(result.run_dir, "new-parquet/part-00000.parquet", "preds2.parquet", echo=lambda line: None)
     assert pq.read_table("preds2.parquet").column("prediction").to_pylist() == preds.column("prediction").to_pylist()
 
     # A misnamed column: one line, with the closest name, before Ray.
@@ -192,7 +193,7 @@ def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_count
     resumed = raytrain_app.fit(f"{REPO}/examples/digits.yaml", run_dir=str(run_dir), resume=True,
                                overrides=[*sets, "train.early_stopping.patience=3"], echo=lambda line: None)
     assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
-    assert resumed.stopped_early.startswith(f"stopped early after epoch 4: eval_accuracy did not improve for 3 ")
+    assert resumed.stopped_early.startswith("stopped early after epoch 4: eval_accuracy did not improve for 3 ")
 
 
 def test_the_readmes_raw_row_example_runs_on_this_run(trained, monkeypatch, capsys):

@@ -53,8 +53,10 @@ def files(tmp_path_factory):
 
 
 def cases(d):
-    parquet = lambda name, *more: [DIGITS, "--set", "data.name=parquet", "--set", f"data.args={{path: '{d / name}'}}",
-                                   "--set", "model.name=mlp", *more]
+    def parquet(name, *more):
+        return [DIGITS, "--set", "data.name=parquet", "--set", f"data.args={{path: '{d / name}'}}",
+                "--set", "model.name=mlp", *more]
+
     return [
         # the command line itself
         ([DIGITS, "--workers", "many"], "Invalid value for '--workers'"),

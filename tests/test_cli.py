@@ -19,7 +19,6 @@ from tests.commands import command as forked_command
 from tests.conftest import REPO
 
 
-
 def cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "raytrain_app.cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
@@ -105,13 +104,13 @@ def test_a_run_leaves_its_pictures_and_tensorboard_curves(digits_run, tmp_path):
 def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_cluster, tmp_path):
     """Through the library, on the session's cluster (the commands are one call each; their
     errors go through the command below and in test_bad_input)."""
-    from raytrain_app import inference
+    from raytrain_app.inference import scoring
 
     run_dir, _ = digits_run
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
     # One worker instead of the run's two: the exact evaluation gives the same numbers.
-    metrics = inference.evaluate(str(run_dir), "latest", "eval", workers=1, echo=lambda line: None)
+    metrics = scoring.evaluate(str(run_dir), "latest", "eval", workers=1, echo=lambda line: None)
     [written] = (run_dir / "evaluations").glob("checkpoint_*-eval.json")
     evaluated = json.loads(written.read_text())
     assert evaluated["workers"] == 1 and evaluated["metrics"] == metrics
@@ -126,7 +125,7 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_clust
                       "id": pa.array([f"digit-{i}" for i in range(len(y_eval))])})
     pq.write_table(table.replace_schema_metadata({"raytrain.shape": "[1, 8, 8]"}), tmp_path / "new.parquet",
                    row_group_size=100)
-    rows = inference.predict(str(run_dir), str(tmp_path / "new.parquet"), str(tmp_path / "preds.parquet"), "latest",
+    rows = scoring.predict(str(run_dir), str(tmp_path / "new.parquet"), str(tmp_path / "preds.parquet"), "latest",
                              batch_size=64, echo=lambda line: None)
     assert rows == len(y_eval)
     preds = pq.read_table(tmp_path / "preds.parquet")
@@ -190,10 +189,10 @@ def test_a_worker_killed_beyond_max_failures_exits_1_naming_the_rank_its_node_an
 
 
 def test_an_unexpected_error_is_one_line_and_keeps_its_traceback(capsys):
-    from raytrain_app.cli import _command
+    from raytrain_app.cli import exit_codes
 
     with pytest.raises(SystemExit) as exited:
-        with _command():
+        with exit_codes():
             {}["no such key"]  # any bug, wherever it is raised
     assert exited.value.code == 1
     err = capsys.readouterr().err

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from raytrain_app.cluster.profiles import load_profile
 from raytrain_app.config import JobConfig, dump_yaml, load_config, updated
+from raytrain_app.config.resolve import resolve_auto
 from raytrain_app.errors import ConfigError
-from raytrain_app.plan import resolve_auto
-from raytrain_app.profiles import load_profile
 from tests.conftest import REPO
 
 

@@ -114,7 +114,8 @@ def test_grey_images_have_one_channel(tmp_path):
     schema = pq.read_schema(parts(tmp_path / "out")[0])
     assert schema.metadata[b"raytrain.shape"] == b"[1, 8, 8]"
     assert schema.field("image").type == pa.list_(pa.uint8(), 8 * 8)
-    assert sorted(rows(tmp_path / "out")) == sorted((expected_pixels(p, grey=True), label) for p, label in labels.items())
+    assert sorted(rows(tmp_path / "out")) == sorted((expected_pixels(p, grey=True), label)
+                                                    for p, label in labels.items())
 
 
 def test_rows_are_shuffled_by_the_seed(images, tmp_path):

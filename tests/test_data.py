@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raytrain_app.config import DataConfig, TaskConfig
+from raytrain_app.config.sections import DataConfig, TaskConfig
 from raytrain_app.data import EvalShard, build_datasets
 from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.tasks import build_task

@@ -7,15 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrain_app import checkpoint
+from raytrain_app.cluster.session import wait_for_nodes
 from raytrain_app.config import JobConfig
 from raytrain_app.data import build_datasets
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import UserError
-from raytrain_app.loop import seed_everything
 from raytrain_app.models import build_model
-from raytrain_app.plan import make_plan
-from raytrain_app.session import wait_for_nodes
-from raytrain_app.trainer import run_training
+from raytrain_app.rundir import checkpoints
+from raytrain_app.worker.loop import seed_everything
 from tests.helpers import write_parquet
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -44,7 +44,7 @@ def run(config: JobConfig, run_dir, resume=False):
 
 
 def final_weights(result) -> dict:
-    return checkpoint.load_state(result.final_checkpoint)["model"]
+    return checkpoints.load_state(result.final_checkpoint)["model"]
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,15 @@ import torch
 from torch import nn
 
 import raytrain_app
-from raytrain_app import checkpoint, rundir
+from raytrain_app import rundir
 from raytrain_app.config import JobConfig, load_config
+from raytrain_app.config.resolve import resolve_auto
 from raytrain_app.data import build_datasets
-from raytrain_app.export import FILE_NAMES, export
+from raytrain_app.inference.export import FILE_NAMES, export
 from raytrain_app.models import build_model
-from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.plan import resolve_auto
-from raytrain_app.state import TrainState
+from raytrain_app.worker import checkpoint
+from raytrain_app.worker.optim import build_optimizer, build_schedule
+from raytrain_app.worker.state import TrainState
 from tests.conftest import REPO
 from tests.helpers import save_checkpoint
 

@@ -27,7 +27,8 @@ CRD_SCHEMA = os.path.join(REPO, "tests", "kuberay", "rayjobs.v1.7.0.schema.json"
 # refused (Kubernetes would silently drop a misspelt field), and submissionMode is checked
 # against the Go constants (the CRD has no enum for it).
 QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}],
-            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                       r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
 STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
 INT32 = {"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1}
 

@@ -10,22 +10,34 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raytrain_app import checkpoint
-from raytrain_app.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TrainConfig
+from raytrain_app.config import JobConfig
+from raytrain_app.config.resolve import resolve_auto
+from raytrain_app.config.sections import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TaskConfig,
+    TrainConfig,
+)
 from raytrain_app.data import build_datasets, train_loader
+from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import UserError
-from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_epoch
 from raytrain_app.models import build_model
-from raytrain_app.nonfinite import LAG, LossCheck, NonFiniteLoss
-from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.plan import make_plan, resolve_auto
 from raytrain_app.rundir import SNAPSHOT as CHECKPOINT_SNAPSHOT
-from tests.helpers import save_checkpoint
-from raytrain_app.state import TrainState
-from raytrain_app.strategy import place
+from raytrain_app.tasks import Classification
+from raytrain_app.worker import checkpoint
+from raytrain_app.worker.loop import Precision, Step, eval_epoch, seed_everything, train_epoch
+from raytrain_app.worker.nonfinite import LAG, LossCheck, NonFiniteLoss
+from raytrain_app.worker.optim import build_optimizer, build_schedule
+from raytrain_app.worker.state import TrainState
+from raytrain_app.worker.strategy import place
 from tests.gloo import spawn
+from tests.helpers import save_checkpoint
 
 CPU = torch.device("cpu")
+
+CLASSIFY = Classification(TaskConfig())  # the task the steps here run
 
 
 def setup(precision="fp32", lr=0.05):
@@ -51,13 +63,13 @@ def test_every_precision_learns(precision, dtype, monkeypatch):
         monkeypatch.setattr(prec.scaler, "scale", lambda loss: scaled.append(float(scale(loss) / loss)) or scale(loss))
         monkeypatch.setattr(prec.scaler, "step", lambda opt: stepped.append(1) or scaler_step(opt))
     eval_loader, _ = train_loader(data, 64, 0, 1, 0, 0, False)
-    step = Step(state.model, prec)
-    before = evaluate(state.model, eval_loader, step)["loss"]
+    step = Step(state.model, prec, CLASSIFY)
+    before = eval_epoch(state.model, eval_loader, step)["loss"]
     for _ in range(3):
         totals = train_epoch(step, loader, state)
         state.finish_epoch()
     assert totals.samples == len(data.train) and state.epoch == 3
-    assert evaluate(state.model, eval_loader, step)["loss"] < before * 0.5
+    assert eval_epoch(state.model, eval_loader, step)["loss"] < before * 0.5
     assert set(computed) == {dtype}
     assert (state.scaler is not None) == (precision == "fp16")
     if precision == "fp16":  # every loss scaled up before backward, every step through the scaler
@@ -70,7 +82,7 @@ def test_gradient_clipping_bounds_the_update():
     state.optimizer = torch.optim.SGD(state.model.parameters(), lr=1.0)
     before = [p.detach().clone() for p in state.model.parameters()]
     x, y = next(iter(loader))
-    train_epoch(Step(state.model, prec, grad_clip=1e-3), [(x, y)], state)
+    train_epoch(Step(state.model, prec, CLASSIFY, grad_clip=1e-3), [(x, y)], state)
     step = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(state.model.parameters(), before)))
     assert step.item() == pytest.approx(1e-3, rel=1e-3)  # plain SGD moves by lr * clipped norm
 
@@ -90,7 +102,8 @@ def test_warmup_then_cosine():
 
 def test_linear_lr_scaling():
     params = [torch.zeros(1, requires_grad=True)]
-    assert build_optimizer(params, OptimizerConfig(lr=0.1, scale_lr="linear"), 4).param_groups[0]["lr"] == pytest.approx(0.4)
+    assert (build_optimizer(params, OptimizerConfig(lr=0.1, scale_lr="linear"), 4).param_groups[0]["lr"]
+            == pytest.approx(0.4))
     assert build_optimizer(params, OptimizerConfig(name="adamw", lr=0.1), 4).param_groups[0]["lr"] == 0.1
 
 
@@ -103,7 +116,7 @@ def test_builtin_models(name, shape):
 
 def test_checkpoint_round_trip_with_safe_loading(tmp_path):
     _, loader, state, prec = setup()
-    train_epoch(Step(state.model, prec), loader, state)
+    train_epoch(Step(state.model, prec, CLASSIFY), loader, state)
     state.finish_epoch()
     checkpoint.save(str(tmp_path), 0, state, about={"config": JobConfig().to_dict()})
     expected = torch.rand(3)  # drawn after the save: restoring must replay it
@@ -133,7 +146,7 @@ def test_channels_last_trains_to_the_same_weights():
         opt = build_optimizer(model.parameters(), OptimizerConfig(lr=0.05), world_size=1)
         prec = Precision("fp32", CPU)
         state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 4, 1), None)
-        train_epoch(Step(model, prec, memory_format=memory_format), batches, state)
+        train_epoch(Step(model, prec, CLASSIFY, memory_format=memory_format), batches, state)
         results.append([p.detach().clone() for p in model.parameters()])
     assert results[1][0].is_contiguous(memory_format=torch.channels_last)
     for a, b in zip(*results):
@@ -156,12 +169,13 @@ def test_the_first_non_finite_loss_stops_training_lag_steps_later():
     _, loader, state, prec = setup()
     model = NanAt(state.model, at=4)
     with pytest.raises(NonFiniteLoss) as stop:
-        train_epoch(Step(model, prec, loss_check=LossCheck(CPU)), loader, state)
+        train_epoch(Step(model, prec, CLASSIFY, loss_check=LossCheck(CPU)), loader, state)
     assert stop.value.step == 4 and stop.value.lr == pytest.approx(0.05)
     assert state.step == 4 + LAG  # read LAG steps late: the check never holds up a step
 
     _, loader, state, prec = setup()
-    totals = train_epoch(Step(NanAt(state.model, at=4), prec, loss_check=LossCheck(CPU, enabled=False)), loader, state)
+    step = Step(NanAt(state.model, at=4), prec, CLASSIFY, loss_check=LossCheck(CPU, enabled=False))
+    totals = train_epoch(step, loader, state)
     assert state.step == len(loader) and math.isnan(totals.loss)
 
 
@@ -170,7 +184,8 @@ def test_fp16_steps_skipped_by_the_grad_scaler_do_not_stop_training():
     # A scale so large that the fp16 backward overflows: GradScaler skips those steps and lowers it.
     prec.scaler = state.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     before = [p.detach().clone() for p in state.model.parameters()]
-    train_epoch(Step(state.model, prec, loss_check=LossCheck(CPU)), [b for b, _ in zip(loader, range(3))], state)
+    train_epoch(Step(state.model, prec, CLASSIFY, loss_check=LossCheck(CPU)), [b for b, _ in zip(loader, range(3))],
+                state)
     assert prec.scaler.get_scale() == 2.0**97  # three overflows, three skipped steps, no stop
     assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
 
@@ -195,7 +210,7 @@ def _accumulate(rank: int, out_dir: str) -> None:
         batches = [b for b, _ in zip(loader, range(48 // batch))]
         opt = build_optimizer(model.parameters(), OptimizerConfig(lr=0.05), world_size=2)
         state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 3, 1), None)
-        train_epoch(Step(ddp, Precision("fp32", CPU), accum), batches, state)
+        train_epoch(Step(ddp, Precision("fp32", CPU), CLASSIFY, accum), batches, state)
         weights[accum] = [p.detach() for p in model.parameters()]
         if accum == 4:
             (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"syncs": syncs, "steps": state.step}))

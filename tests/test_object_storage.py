@@ -13,8 +13,8 @@ import boto3
 import pytest
 
 from raytrain_app.config import load_config
-from raytrain_app.plan import make_plan
-from raytrain_app.trainer import run_training
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.trainer import run_training
 from tests.conftest import REPO, short_temp_dir
 
 PREFIX = "runs"

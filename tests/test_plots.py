@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from raytrain_app import plots
 from raytrain_app.errors import UserError
+from raytrain_app.rundir import plots
 
 START = 1_700_000_000.0
 

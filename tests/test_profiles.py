@@ -10,11 +10,11 @@ import pytest
 import ray
 import yaml
 
+from raytrain_app.cluster.localnodes import cluster_down, cluster_up
+from raytrain_app.cluster.profiles import load_profile
 from raytrain_app.config import load_config
 from raytrain_app.errors import UserError
-from raytrain_app.jobs import plan_submission
-from raytrain_app.localnodes import cluster_down, cluster_up
-from raytrain_app.profiles import load_profile
+from raytrain_app.launch.submission import plan_submission
 
 SHIPPED = sorted(glob.glob("cluster/*.yaml"))
 # Ray's own schema for cluster-launcher files, shipped with Ray.
@@ -121,7 +121,8 @@ def test_submit_says_when_the_cluster_shape_replaces_a_set_value():
     ({"kind": "slurm", "address": "http://head:8265"}, "address: does not apply to kind: slurm"),
     ({"kind": "slurm", "storage": "s3://bucket/runs"}, "slurm.log_dir: storage is a URI"),
     ({"kind": "slurm", "runtime_env": {"pip": ["torch"]}}, "runtime_env: under SLURM jobs run from a shared"),
-    ({"kind": "slurm", "slurm": {"time_limit": "2h"}}, "slurm.time_limit: must be MINUTES, HH:MM:SS or DAYS-HH:MM:SS (sbatch --time), got '2h'"),
+    ({"kind": "slurm", "slurm": {"time_limit": "2h"}},
+     "slurm.time_limit: must be MINUTES, HH:MM:SS or DAYS-HH:MM:SS (sbatch --time), got '2h'"),
     ({"kind": "slurm", "slurm": {"port_min": 30000, "port_max": 30100}}, "at least one block of 200 ports"),
     ({"kind": "kuberay"}, "address: kind: kuberay needs the RayCluster's dashboard"),
     ({"slurm": {"partition": "gpu"}}, "slurm: does not apply to kind: ray"),

@@ -25,8 +25,8 @@ def test_in_a_real_run_every_rank_trains_on_as_many_disjoint_rows_each_epoch(tmp
     config = job(model={"name": "tests.helpers:label_recorder", "args": {"out_dir": str(tmp_path / "seen")}},
                  task={"name": "tests.helpers:record_labels"}, checkpoint={"every_epochs": 1, "mode": "min"},
                  data={"name": "parquet", "engine": "ray_data",
-                       "args": {"path": str(train), "eval_path": str(train / "part-2.parquet"), "features": ["x", "one"],
-                                "buffer_rows": 100}},
+                       "args": {"path": str(train), "eval_path": str(train / "part-2.parquet"),
+                                "features": ["x", "one"], "buffer_rows": 100}},
                  train={"epochs": 2, "batch_size": 16})
     result = run(config, tmp_path / "run")
     assert [row["epoch"] for row in result.metrics] == [1, 2]
@@ -69,8 +69,8 @@ def test_a_killed_worker_restarts_its_epoch_from_the_epoch_checkpoint(tmp_path):
     marker.touch()
     model = {"name": "tests.helpers:faulty_mlp", "args": {"marker": str(marker), "at": 30, "rank": 1, "fault": "kill"}}
     result = run(job(model=model, data={"name": "parquet", "engine": "ray_data",
-                                        "args": {"path": str(tmp_path / "train"), "eval_path": str(tmp_path / "eval.parquet"),
-                                                 "buffer_rows": 256}},
+                                        "args": {"path": str(tmp_path / "train"),
+                                                 "eval_path": str(tmp_path / "eval.parquet"), "buffer_rows": 256}},
                      train={"epochs": 2, "batch_size": 32}, failure={"max_failures": 1}), tmp_path / "run")
     assert not marker.exists()  # the fault really happened
     log = (tmp_path / "run" / "logs" / "rank-1.log").read_text()

@@ -9,7 +9,8 @@ import pytest
 PRIVATE = [
     ("ray._private.worker", "global_worker", "the session's log directory, copied into the run directory"),
     ("ray._private.worker", "print_to_stdstream", "routing raylets' error paragraphs away from the console"),
-    ("ray._raylet", "Config.initialize", "re-reading the auth mode when Ray was loaded before a joined cluster's token was set"),
+    ("ray._raylet", "Config.initialize",
+     "re-reading the auth mode when Ray was loaded before a joined cluster's token was set"),
     ("ray.util.queue", "_QueueActor.put_nowait", "queueing console events without waiting for the actor"),
 ]
 

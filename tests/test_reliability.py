@@ -15,11 +15,12 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raytrain_app import checkpoint
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.trainer import explain_failure, run_training
 from raytrain_app.errors import TrainingFailed
-from raytrain_app.plan import make_plan
-from raytrain_app.state import TrainState
-from raytrain_app.trainer import explain_failure, run_training
+from raytrain_app.rundir import checkpoints
+from raytrain_app.worker import checkpoint
+from raytrain_app.worker.state import TrainState
 from tests.test_distributed import final_weights, job, run
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -167,7 +168,8 @@ def test_a_dead_worker_is_named_before_the_peers_its_death_broke():
     error = WorkerGroupError("Training failed.", {0: broken, 1: died})
     message = str(explain_failure(error, job()))
     assert re.fullmatch(r"rank 1 on node 10\.0\.0\.7 \(pid 4242\): worker process died: Worker unexpectedly "
-                        r"exits with a connection error code 2\. End of file\.; rank 0: RuntimeError: .*Connection reset",
+                        r"exits with a connection error code 2\. End of file\.; "
+                        r"rank 0: RuntimeError: .*Connection reset",
                         message), message
 
 
@@ -240,7 +242,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monke
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save(str(tmp_path), 0, state, about={})
     assert (tmp_path / "state.pt").read_bytes() == before  # the previous file, whole
-    assert checkpoint.verify(str(tmp_path), 0) is None and checkpoint.load_state(str(tmp_path))["epoch"] == 1
+    assert checkpoint.verify(str(tmp_path), 0) is None and checkpoints.load_state(str(tmp_path))["epoch"] == 1
     assert not list(tmp_path.glob("*.tmp"))  # and no torn temporary left behind
 
 
@@ -259,7 +261,7 @@ def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(t
     for rank in (0, 1):
         log = (tmp_path / "run" / "logs" / f"rank-{rank}.log").read_text()
         assert "stopped: the training loss was not finite at {'epoch': 2, 'step': 30" in log
-    saved = [checkpoint.load_state(str(d)) for d in (tmp_path / "run").glob("checkpoint_*") if d.is_dir()]
+    saved = [checkpoints.load_state(str(d)) for d in (tmp_path / "run").glob("checkpoint_*") if d.is_dir()]
     assert [(s["epoch"], s["step"]) for s in saved] == [(1, 23)]  # nothing after the bad step was saved
 
     # --resume with a lower lr continues from that checkpoint, under the new lr.

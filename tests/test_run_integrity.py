@@ -20,12 +20,14 @@ import pytest
 import torch
 
 import raytrain_app
-from raytrain_app import lease, rundir
-from raytrain_app.config import ScheduleConfig, load_config
+from raytrain_app import rundir
+from raytrain_app.config import load_config
+from raytrain_app.config.sections import ScheduleConfig
+from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import UserError
-from raytrain_app.lease import Holder, Lease
-from raytrain_app.optim import build_schedule, extend_schedule
-from raytrain_app.plan import make_plan
+from raytrain_app.rundir import lease
+from raytrain_app.rundir.lease import Holder, Lease
+from raytrain_app.worker.optim import build_schedule, extend_schedule
 from tests.commands import command
 from tests.conftest import REPO
 
@@ -160,7 +162,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_leaves_nothing_partial_and_resu
     assert str(failed.value).startswith(f"checkpoint at step {2 * first[0].step} could not be written to {run_dir}: "
                                         "no space left on device (")
     assert str(failed.value).endswith(f"; the last good checkpoint is step {first[0].step}: free space and --resume")
-    assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == [first[0].name]  # the partial one: gone
+    # the partial one: gone
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == [first[0].name]
     assert not list(run_dir.rglob("*.tmp"))
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "failed" and record["reason"] == str(failed.value)

@@ -14,11 +14,13 @@ from unittest import mock
 import psutil
 import pytest
 
-from raytrain_app import rundir, runs
+from raytrain_app import rundir
 from raytrain_app.config import JobConfig, dump_yaml
+from raytrain_app.config.resolve import resolve_auto
+from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import UserError
-from raytrain_app.plan import make_plan, resolve_auto
 from raytrain_app.rundir import SNAPSHOT as CHECKPOINT_SNAPSHOT
+from raytrain_app.rundir import listing as runs
 from tests.helpers import save_checkpoint
 
 NOW = time.time()

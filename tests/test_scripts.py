@@ -73,8 +73,8 @@ def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environmen
 
 
 def test_a_killed_rank_restarts_the_group_and_the_script_resumes_also_with_resume(tmp_path):
-    result, lines = run("examples/torchrun_script/train.py", tmp_path / "run", ["--epochs", "4", "--crash-at-epoch", "2"],
-                        overrides=["failure.max_failures=1"])
+    result, lines = run("examples/torchrun_script/train.py", tmp_path / "run",
+                        ["--epochs", "4", "--crash-at-epoch", "2"], overrides=["failure.max_failures=1"])
     said = "\n".join(lines)
     assert re.search(r"warning: rank 1 .*worker process died.*restarting from .*checkpoint_.*\(restart 1 of 1\)", said)
     at = int(re.search(r"^restart 1: resumed from \S+ at epoch (\d)$", said, re.M).group(1))

@@ -6,10 +6,12 @@ import re
 import pytest
 import torch
 
-from raytrain_app import checkpoint, export, load_model
+from raytrain_app import load_model
 from raytrain_app.config import updated
-from raytrain_app.plan import make_plan
-from raytrain_app.trainer import run_training
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.trainer import run_training
+from raytrain_app.inference import export
+from raytrain_app.rundir import checkpoints
 from tests.test_distributed import final_weights
 from tests.test_reliability import faulty, straight_and_killed
 
@@ -48,7 +50,7 @@ def test_a_killed_fsdp_worker_resumes_bitwise_and_the_run_reshards_to_one_worker
     assert all(torch.equal(weights[name], w) for name, w in final_weights(straight).items())
     model = load_model(str(tmp_path / "killed"), checkpoint="latest")
     plain = load_model(exported.manifest)
-    x = torch.randn(5, *checkpoint.loop_state(str(final))["input_shape"])
+    x = torch.randn(5, *checkpoints.loop_state(str(final))["input_shape"])
     assert torch.equal(plain(x), model(x))
 
     # One more epoch on one worker: DCP reads the two shards into a single unsharded model. With a

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_app import checkpoint
+from raytrain_app.worker import checkpoint
 from tests.conftest import REPO, running, short_temp_dir
 
 

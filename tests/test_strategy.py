@@ -9,19 +9,29 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytrain_app import checkpoint
-from raytrain_app.config import DataConfig, JobConfig, ModelConfig, OptimizerConfig, ScheduleConfig, StrategyConfig
+from raytrain_app.config import JobConfig
+from raytrain_app.config.resolve import resolve_auto
+from raytrain_app.config.sections import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    StrategyConfig,
+    TaskConfig,
+)
 from raytrain_app.data import build_datasets, train_loader
+from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import ConfigError, UserError
-from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_epoch
-from raytrain_app.memory import GiB, check_state_fits, shard_group, state_bytes
-from raytrain_app.metrics import EpochMetrics
 from raytrain_app.models import build_model, places_itself
-from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.plan import make_plan, resolve_auto
-from raytrain_app.state import TrainState
-from raytrain_app.strategy import is_sharded, mesh_ranks, parallelize, shard_units
-from raytrain_app.tasks import build_task
+from raytrain_app.preflight.memory import GiB, check_state_fits, shard_group, state_bytes
+from raytrain_app.rundir import checkpoints
+from raytrain_app.tasks import Classification, build_task
+from raytrain_app.worker import checkpoint
+from raytrain_app.worker.loop import Precision, Step, eval_epoch, seed_everything, train_epoch
+from raytrain_app.worker.metrics import EpochMetrics
+from raytrain_app.worker.optim import build_optimizer, build_schedule
+from raytrain_app.worker.state import TrainState
+from raytrain_app.worker.strategy import is_sharded, mesh_ranks, parallelize, shard_units
 from tests.gloo import spawn
 
 CPU = torch.device("cpu")
@@ -55,7 +65,7 @@ def trained(rank: int, world_size: int, strategy: dict, **train):
     opt = build_optimizer(parallel.model.parameters(), OptimizerConfig(name="adamw", lr=3e-3), world_size)
     state = TrainState(parallel.model, opt, build_schedule(opt, ScheduleConfig(), 3, 1), None,
                        sharded=parallel.mesh is not None)
-    step = Step(parallel.train_model, Precision(config.train.precision, CPU), 2, 0.5, task=build_task(config.task))
+    step = Step(parallel.train_model, Precision(config.train.precision, CPU), build_task(config.task), 2, 0.5)
     batches = [tokens(8, seed)[rank::world_size] for seed in range(6)]
     totals = train_epoch(step, batches, state)
     return parallel, state, step, float(totals.sums[0]) / totals.samples
@@ -81,7 +91,7 @@ def _compare(rank: int, out_dir: str) -> None:
         parallel, state, step, train_loss = trained(rank, 2, strategy, **train)
         compiled = {"wrapper": type(parallel.train_model).__name__,  # what the steps ran through
                     "frames": torch._dynamo.utils.counters["frames"]["ok"] - frames}  # what dynamo compiled
-        evaluated = evaluate(parallel.model, [tokens(4, 100 + i) for i in range(rank, 5, 2)], step)
+        evaluated = eval_epoch(parallel.model, [tokens(4, 100 + i) for i in range(rank, 5, 2)], step)
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist()
                 for k, v in parallel.model.state_dict().items()}
         results[name] = {"train_loss": train_loss, "eval_loss": evaluated["loss"], "samples": evaluated["samples"],
@@ -192,15 +202,15 @@ def test_a_sharded_checkpoint_restores_exactly_reshards_and_consolidates(tmp_pat
     spawn(_save_and_restore, str(tmp_path))
     merged = tmp_path / "merged"
     files = sorted(str(f.relative_to(merged)) for f in merged.rglob("*") if f.is_file())
-    assert files == ["checkpoint.json", "rank0.pt", "rank0.pt.sha256", "rank1.pt", "rank1.pt.sha256", "shards/.metadata",
-                     "shards/.metadata.sha256", "shards/__0_0.distcp", "shards/__0_0.distcp.sha256",
+    assert files == ["checkpoint.json", "rank0.pt", "rank0.pt.sha256", "rank1.pt", "rank1.pt.sha256",
+                     "shards/.metadata", "shards/.metadata.sha256", "shards/__0_0.distcp", "shards/__0_0.distcp.sha256",
                      "shards/__1_0.distcp", "shards/__1_0.distcp.sha256", "state.pt", "state.pt.sha256"]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["same"] and ranks[1]["same"]
     full = {k: torch.tensor(v) for k, v in ranks[0]["weights"].items()}
 
     # Consolidated on this one process, no process group: the plain model's weights, all of them.
-    saved = checkpoint.load_state(str(merged))
+    saved = checkpoints.load_state(str(merged))
     assert "optimizer" not in saved  # the weights only
     plain = build_model(job(VARIANTS["ddp"]).model, (LENGTH,), VOCAB)
     plain.load_state_dict(saved["model"])
@@ -258,7 +268,7 @@ def _split(rank: int, out_dir: str) -> None:
         assert parallel.train_model.device_ids is None
         opt = build_optimizer(parallel.model.parameters(), OptimizerConfig(lr=0.05), 2)
         state = TrainState(parallel.model, opt, build_schedule(opt, ScheduleConfig(name="constant"), 4, 1), None)
-        train_epoch(Step(parallel.train_model, Precision("fp32", CPU)), batches, state)
+        train_epoch(Step(parallel.train_model, Precision("fp32", CPU), Classification(TaskConfig())), batches, state)
         weights.append([p.detach() for p in parallel.model.parameters()])
     same = all(torch.equal(a, b) for a, b in zip(*weights))
     (Path(out_dir) / f"rank{rank}").write_text(str(same and places_itself(config.model)))
@@ -272,7 +282,8 @@ def test_a_model_that_places_itself_on_its_devices_trains_under_ddp_as_the_whole
 @pytest.mark.parametrize("overrides, message", [
     ({"strategy": {"name": "hsdp", "replicate_degree": 3}, "scaling": {"workers": 4}},
      "strategy.replicate_degree: 3 does not divide the 4 workers"),
-    ({"strategy": {"name": "fsdp", "cpu_offload": True}, "train": {"compile": "default"}, "scaling": {"gpus_per_worker": 1}},
+    ({"strategy": {"name": "fsdp", "cpu_offload": True}, "train": {"compile": "default"},
+      "scaling": {"gpus_per_worker": 1}},
      "strategy.cpu_offload: cannot be combined with train.compile"),
     ({"strategy": {"name": "fsdp", "cpu_offload": True}}, "strategy.cpu_offload: needs GPU workers"),
     ({"strategy": {"name": "fsdp"}, "train": {"precision": "fp16"}},

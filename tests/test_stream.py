@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raytrain_app.config import DataConfig
+from raytrain_app.config.sections import DataConfig
 from raytrain_app.data import build_datasets, eval_loader, train_loader
 from raytrain_app.data.parquet import DIGITS_FILE
 from raytrain_app.data.stream import ParquetStream
-from raytrain_app.loop import resume_warnings
+from raytrain_app.worker.loop import resume_warnings
 from tests.test_distributed import final_weights, job
 from tests.test_reliability import straight_and_killed
 
@@ -65,7 +65,8 @@ def test_ranks_take_equal_disjoint_shards_reshuffled_each_epoch_and_eval_counts_
         assert {len(s) for s in shards} == {train_rows // 3 // 16}  # the same number of batches on every rank
         assert all(len(b) == 16 for s in shards for b in s)
         rows = [r for s in shards for b in s for r in b]
-        assert len(rows) == len(set(rows)) and len(rows) > train_rows - 3 * 16  # disjoint; under a batch per rank dropped
+        # disjoint; under a batch per rank dropped
+        assert len(rows) == len(set(rows)) and len(rows) > train_rows - 3 * 16
         epochs.append(rows)
     assert epochs[0] != epochs[1] and sorted(epochs[0]) != sorted(epochs[1])  # a new order, other rows dropped
     assert epochs[0] == [r for rank in range(3) for b in labels(epoch_of(data, rank, 3, 0)[0]) for r in b]  # seeded
@@ -85,7 +86,8 @@ def test_a_position_inside_an_epoch_resumes_exactly_reading_only_from_its_window
     whole = labels(loader)
     read = []
     original = ParquetStream._group_rows
-    monkeypatch.setattr(ParquetStream, "_group_rows", lambda self, g, a, b: read.append(b - a) or original(self, g, a, b))
+    monkeypatch.setattr(ParquetStream, "_group_rows",
+                        lambda self, g, a, b: read.append(b - a) or original(self, g, a, b))
     for batch in (1, 6, 7, len(whole) - 1):  # windows hold 6 batches of 16
         sampler.skip = batch * 16
         read.clear()
@@ -104,7 +106,8 @@ def test_a_glob_a_directory_and_an_s3_prefix_stream_the_same_rows(tmp_path, s3, 
     expected = labels(epoch_of(numbered(local), 0, 2, 1)[0])
     for path in (tmp_path / "d" / "part-*.parquet", remote):
         assert labels(epoch_of(numbered(path), 0, 2, 1)[0]) == expected, path
-    assert len(numbered(tmp_path / "d" / "part-[12].parquet").train) + len(numbered(tmp_path / "d" / "part-[12].parquet").eval) == 310
+    assert (len(numbered(tmp_path / "d" / "part-[12].parquet").train)
+            + len(numbered(tmp_path / "d" / "part-[12].parquet").eval) == 310)
 
 
 def test_a_mid_epoch_resume_over_changed_files_says_so(tmp_path):
@@ -150,7 +153,8 @@ def test_a_worker_killed_mid_epoch_resumes_the_stream_bitwise(tmp_path):
     pq.write_table(pq.read_table(DIGITS_FILE), tmp_path / "digits.parquet", row_group_size=180)
 
     def config(marker):
-        model = {"name": "tests.helpers:faulty_mlp", "args": {"marker": str(marker), "at": 44, "rank": 1, "fault": "kill"}}
+        model = {"name": "tests.helpers:faulty_mlp",
+                 "args": {"marker": str(marker), "at": 44, "rank": 1, "fault": "kill"}}
         return job(model=model, data={"name": "parquet", "eval_fraction": 0.1,
                                       "args": {"path": str(tmp_path / "digits.parquet"), "streaming": True,
                                                "buffer_rows": 256}},

@@ -22,9 +22,9 @@ import requests
 import torch
 import yaml
 
-from raytrain_app.session import ClusterChoice, choose_cluster, free_port, running_local_cluster
-from raytrain_app.dashboard import Dashboard
-from raytrain_app.profiles import load_profile, user_runtime_dir
+from raytrain_app.cluster.dashboard import Dashboard
+from raytrain_app.cluster.profiles import load_profile, user_runtime_dir
+from raytrain_app.cluster.session import ClusterChoice, choose_cluster, free_port, running_local_cluster
 from raytrain_app.data.parquet import DIGITS_FILE
 from tests.commands import command
 from tests.conftest import REPO, TUTORIAL_SCRIPT, epoch_lines, running, short_temp_dir, sweep_table

@@ -116,8 +116,9 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
     (["--param", "train.batch_size=choice:big,64"], "train.batch_size: must be an integer, got 'big'"),
     (["--param", "model.args.depth=choice:1,2"], "model.args.depth: unknown argument"),
     (["--param", "optimizer.lr=choice:0.1", "--samples", "0"], "--samples must be >= 1, got 0"),
-    (["--param", "optimizer.lr=choice:0.1", "--metric", "eval_f1"], "--metric eval_f1 is not a metric of this job "
-                                                                    "(choose from train_loss, eval_loss, eval_accuracy)"),
+    (["--param", "optimizer.lr=choice:0.1", "--metric", "eval_f1"],
+     "--metric eval_f1 is not a metric of this job "
+     "(choose from train_loss, eval_loss, eval_accuracy)"),
     ([], "a sweep needs at least one --param KEY=KIND:ARGS"),
     (["--param", "optimizer.lr=choice:0.1", "--cluster", "cluster/local.yaml", "--address", "local"],
      "--cluster submits the sweep to the profile's cluster, --address (and --min-nodes) run it from here: give one"),
@@ -138,7 +139,7 @@ def test_a_sweep_it_cannot_run_is_one_line_before_ray_starts(tmp_path, args, mes
 
 def test_max_concurrent_defaults_to_the_trials_the_cluster_holds():
     from raytrain_app.config import JobConfig
-    from raytrain_app.sweep import trials_that_fit
+    from raytrain_app.driver.sweep import trials_that_fit
 
     cpu = JobConfig.from_dict({"scaling": {"workers": 2, "cpus_per_worker": 2}})
     assert trials_that_fit(cpu, cpus=15, gpus=0) == 3  # 4 CPUs each: a trial's function takes none

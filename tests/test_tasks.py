@@ -16,19 +16,21 @@ import torch
 from sklearn import metrics as sk
 from torch import nn
 
-from raytrain_app import inference
-from raytrain_app.config import JobConfig, ScheduleConfig, TaskConfig, load_config
+from raytrain_app.config import JobConfig, load_config
+from raytrain_app.config.sections import ScheduleConfig, TaskConfig
 from raytrain_app.data import Datasets, build_datasets, class_count, eval_loader, label_counts
 from raytrain_app.data.arrays import ArrayDataset, split
 from raytrain_app.data.parquet import read_table
 from raytrain_app.data.text import TokenBlocks
-from raytrain_app.loop import Precision, Step, evaluate, evaluation_sums, train_epoch
-from raytrain_app.optim import build_schedule
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import ConfigError, UserError
-from raytrain_app.plan import check_data_and_model, make_plan
-from raytrain_app.state import TrainState
+from raytrain_app.inference import scoring
+from raytrain_app.preflight.checks import check_data_and_model
 from raytrain_app.tasks import build_task, class_report, class_weights, model_outputs
-from raytrain_app.trainer import run_training
+from raytrain_app.worker.loop import Precision, Step, eval_epoch, evaluation_sums, train_epoch
+from raytrain_app.worker.optim import build_schedule
+from raytrain_app.worker.state import TrainState
 from tests.gloo import spawn
 from tests.helpers import dict_data, dict_step
 
@@ -69,7 +71,7 @@ def _evaluate_shards(rank: int, out_file: str) -> None:
         ds = (dict_data(eval_size=EVAL_SIZE)[1] if task == "custom" else TokenBlocks(x.to(torch.uint8))
               if task == "language_model" else ArrayDataset(x, y, torch.tensor(0.), torch.tensor(1.)))
         loader = eval_loader(Datasets(ds, ds, (), 0), 5, rank, 2, 0, False)  # this rank's shard, batches of 5
-        results[task] = evaluate(model, loader, step)
+        results[task] = eval_epoch(model, loader, step)
     # Classification with class weights, and the per-class report that `evaluate` writes.
     x, y, model = eval_set("classification")
     task = build_task(TaskConfig(name="classification", class_weights=WEIGHTS))
@@ -154,7 +156,8 @@ def test_class_weights_and_the_per_class_report_are_exact_over_ranks(reduced):
     pred = out.argmax(1).numpy()
     precision, recall, f1, support = sk.precision_recall_fscore_support(y, pred, labels=range(7), zero_division=0)
     report = got["report"]
-    assert report["precision"] == pytest.approx(precision.tolist()) and report["recall"] == pytest.approx(recall.tolist())
+    assert (report["precision"] == pytest.approx(precision.tolist())
+            and report["recall"] == pytest.approx(recall.tolist()))
     assert report["f1"] == pytest.approx(f1.tolist()) and report["support"] == support.tolist()
     assert report["confusion"] == sk.confusion_matrix(y, pred, labels=range(7)).tolist()
 
@@ -192,7 +195,7 @@ def test_the_regression_example_reaches_its_bar(tmp_path):
     x, y = read_table("examples/diabetes.parquet", "features", "target", None)
     _, _, x_eval, y_eval = split(x, y, 0.2, 0)
     pq.write_table(pa.table({"features": x_eval.numpy().tolist()}), tmp_path / "patients.parquet", row_group_size=30)
-    inference.predict(str(tmp_path / "run"), str(tmp_path / "patients.parquet"), str(tmp_path / "preds.parquet"),
+    scoring.predict(str(tmp_path / "run"), str(tmp_path / "patients.parquet"), str(tmp_path / "preds.parquet"),
                       "latest", workers=2, echo=lambda line: None)
     predicted = torch.tensor(pq.read_table(tmp_path / "preds.parquet").column("prediction").to_numpy())
     assert float(((predicted - y_eval.squeeze().double()) ** 2).mean()) == pytest.approx(last["eval_mse"], rel=1e-4)
@@ -232,11 +235,11 @@ def test_a_custom_step_on_nested_batches_with_accumulation():
     assert config.to_dict()["task"]["name"] == "tests.helpers:dict_step"  # files name it by import path
     step = Step(model, Precision("fp32", torch.device("cpu")), accum_steps=2, task=build_task(config.task))
     loader = torch.utils.data.DataLoader(train, batch_size=4)  # default collate: {"x": .., "target": {"y": ..}}
-    before = evaluate(model, torch.utils.data.DataLoader(eval_, batch_size=4), step)
+    before = eval_epoch(model, torch.utils.data.DataLoader(eval_, batch_size=4), step)
     for _ in range(3):
         train_epoch(step, loader, state)
         state.finish_epoch()
-    after = evaluate(model, torch.utils.data.DataLoader(eval_, batch_size=4), step)
+    after = eval_epoch(model, torch.utils.data.DataLoader(eval_, batch_size=4), step)
     assert state.step == 3 * 64 // (4 * 2)  # one optimizer step per 2 micro-batches of 4
     assert after["abs_error"] < before["abs_error"] / 2 and after["samples"] == 9
     error = (model(eval_.x).squeeze(1) - eval_.y).detach()

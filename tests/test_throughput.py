@@ -11,17 +11,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raytrain_app.state import TrainState
-from raytrain_app.config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig
-from raytrain_app.data import (Datasets, build_datasets, eval_loader, keep_on_device, loader_workers, to_device,
-                               train_loader)
+from raytrain_app.config.sections import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TaskConfig
+from raytrain_app.data import (
+    Datasets,
+    build_datasets,
+    eval_loader,
+    keep_on_device,
+    loader_workers,
+    to_device,
+    train_loader,
+)
 from raytrain_app.data.arrays import flip_and_crop
 from raytrain_app.errors import UserError
-from raytrain_app.loop import Precision, Step, evaluate, seed_everything, train_epoch
-from raytrain_app.metrics import peak_flops, time_split, train_flops_per_sample
 from raytrain_app.models import build_model
-from raytrain_app.optim import build_optimizer, build_schedule
-from raytrain_app.strategy import compiled
+from raytrain_app.tasks import Classification
+from raytrain_app.worker.loop import Precision, Step, eval_epoch, seed_everything, train_epoch
+from raytrain_app.worker.metrics import peak_flops, time_split, train_flops_per_sample
+from raytrain_app.worker.optim import build_optimizer, build_schedule
+from raytrain_app.worker.state import TrainState
+from raytrain_app.worker.strategy import compiled
 from tests.gloo import spawn
 
 CPU = torch.device("cpu")
@@ -156,7 +164,7 @@ def _trained(model: nn.Module, batches: list, mode: str, world_size: int = 1, st
     train_model, _ = compiled(wrapped, mode, world_size, 1, CPU, print)
     opt = build_optimizer(model.parameters(), OptimizerConfig(lr=0.05), world_size=world_size)
     state = TrainState(model, opt, build_schedule(opt, ScheduleConfig(name="constant"), len(batches), 1), None)
-    train_epoch(Step(train_model, Precision("fp32", CPU)), batches, state)
+    train_epoch(Step(train_model, Precision("fp32", CPU), Classification(TaskConfig())), batches, state)
     return model
 
 
@@ -173,9 +181,9 @@ def test_compiled_model_trains_like_the_eager_one():
     assert torch._dynamo.utils.counters["frames"]["ok"] == 0
     compiled = _trained(_mlp(data), batches, "default")
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # dynamo really compiled frames of the step
-    precision = Precision("fp32", CPU)
-    assert evaluate(compiled, batches, Step(compiled, precision))["loss"] == pytest.approx(
-        evaluate(eager, batches, Step(eager, precision))["loss"], rel=1e-4)
+    precision, task = Precision("fp32", CPU), Classification(TaskConfig())
+    assert eval_epoch(compiled, batches, Step(compiled, precision, task))["loss"] == pytest.approx(
+        eval_epoch(eager, batches, Step(eager, precision, task))["loss"], rel=1e-4)
     np.testing.assert_allclose(_flat(compiled), _flat(eager), rtol=1e-4, atol=1e-5)
 
 

@@ -11,8 +11,8 @@ import torch
 from raytrain_app import tracking
 from raytrain_app.config import JobConfig
 from raytrain_app.errors import ConfigError, UserError
-from raytrain_app.metrics import Totals
-from raytrain_app.state import EpochClock
+from raytrain_app.worker.metrics import Totals
+from raytrain_app.worker.state import EpochClock
 
 EVERY = 2
 STEPS_PER_EPOCH = 5

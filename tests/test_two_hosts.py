@@ -15,8 +15,8 @@ import sys
 import pytest
 import yaml
 
-from raytrain_app.localnodes import ray_executable, stop_nodes
-from raytrain_app.profiles import load_profile
+from raytrain_app.cluster.localnodes import ray_executable, stop_nodes
+from raytrain_app.cluster.profiles import load_profile
 from tests.conftest import REPO, running, short_temp_dir
 
 # 198.18.0.0/15 is reserved for network testing: these addresses exist only inside our namespaces.
@@ -101,8 +101,8 @@ def two_hosts(tmp_path_factory):
 
 
 def wait_for_nodes_script(profile_path, count) -> str:
-    return (f"import time, sys\nfrom raytrain_app.profiles import load_profile\n"
-            f"from raytrain_app.dashboard import Dashboard\n"
+    return (f"import time, sys\nfrom raytrain_app.cluster.profiles import load_profile\n"
+            f"from raytrain_app.cluster.dashboard import Dashboard\n"
             f"d = Dashboard.for_profile(load_profile({str(profile_path)!r}))\nd.timeout_s = 2\n"
             f"end = time.time() + 90\n"
             f"while time.time() < end:\n"

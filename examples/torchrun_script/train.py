@@ -91,7 +91,8 @@ def main():
                 correct += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
         dist.all_reduce(total)
         dist.all_reduce(correct)
-        metrics = {"epoch": epoch, "train_loss": (total[0] / total[1]).item(), "accuracy": (correct[0] / correct[1]).item()}
+        metrics = {"epoch": epoch, "train_loss": (total[0] / total[1]).item(),
+                   "accuracy": (correct[0] / correct[1]).item()}
         if rank == 0:
             print(f"epoch {epoch}: train_loss {metrics['train_loss']:.4f} accuracy {metrics['accuracy']:.4f}")
 

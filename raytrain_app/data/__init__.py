@@ -22,18 +22,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from raytrain_app import registry
-from raytrain_app.config import DataConfig
+from raytrain_app.config import registry
+from raytrain_app.config.sections import DataConfig
 from raytrain_app.data.arrays import ArrayDataset, DeviceBatches, resize_images
-from raytrain_app.data.parquet import ParquetFiles, digits, parquet
+from raytrain_app.data.parquet import digits, parquet
+from raytrain_app.data.parquet_files import ParquetFiles
 from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.data.raydata import RayDataBatches
 from raytrain_app.data.stream import ParquetStream, StreamBatches
 from raytrain_app.data.synthetic import synthetic
 from raytrain_app.data.text import TokenBlocks, text
 from raytrain_app.data.vision import cifar10, fashion_mnist, mnist
+from raytrain_app.distributed import global_max
 from raytrain_app.errors import UserError
-from raytrain_app.metrics import global_max
 
 BUILTINS = {
     "digits": digits,
@@ -63,7 +64,8 @@ def build_datasets(config: DataConfig) -> Datasets:
     args = {**config.args, "streaming": True} if config.engine == "ray_data" else config.args
     built = registry.build(config.name, args, BUILTINS, "data", context)
     if not (isinstance(built, tuple) and len(built) == 2):
-        raise UserError(f"data: '{registry.label(config.name)}' must return a (train, eval) pair of datasets, got {type(built).__name__}")
+        raise UserError(f"data: '{registry.label(config.name)}' must return a (train, eval) pair of datasets, "
+                        f"got {type(built).__name__}")
     train, eval_ = built
     for split_name, ds in (("training", train), ("eval", eval_)):
         if len(ds) == 0:

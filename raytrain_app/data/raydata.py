@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from raytrain_app.config import DataConfig
-from raytrain_app.data.parquet import ParquetFiles
+from raytrain_app.config.sections import DataConfig
+from raytrain_app.data.parquet_files import ParquetFiles
 from raytrain_app.data.stream import ParquetStream
 from raytrain_app.errors import UserError
 

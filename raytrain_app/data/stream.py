@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 from raytrain_app.data.arrays import ArrayDataset, channel_stats, resize_images
-from raytrain_app.data.parquet import ParquetFiles, RowGroup, label_tensor
+from raytrain_app.data.parquet_files import ParquetFiles, RowGroup, label_tensor
 from raytrain_app.data.preprocess import Stored
 from raytrain_app.errors import UserError
 from raytrain_app.storage import explain

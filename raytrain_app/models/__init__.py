@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from raytrain_app import registry
-from raytrain_app.config import ModelConfig
+from raytrain_app.config import registry
+from raytrain_app.config.sections import ModelConfig
 from raytrain_app.errors import ConfigError
 from raytrain_app.models.gpt import gpt
 from raytrain_app.models.lenet import lenet
@@ -40,7 +40,8 @@ def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: 
         context["devices"] = list(devices or [torch.device("cpu")])
     model = registry.build(config.name, config.args, BUILTINS, "model", context)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model: '{registry.label(config.name)}' returned {type(model).__name__}, not a torch.nn.Module")
+        raise ConfigError(f"model: '{registry.label(config.name)}' returned {type(model).__name__}, "
+                          "not a torch.nn.Module")
     return model
 
 

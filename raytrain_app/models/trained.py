@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from raytrain_app.config import ModelConfig
+from raytrain_app.config.sections import ModelConfig
 from raytrain_app.data.preprocess import Preprocess
 from raytrain_app.models import build_model
 

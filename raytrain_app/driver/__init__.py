@@ -1,0 +1,1 @@
+"""What runs in the `train` process: the plan, Ray Train's trainer around the worker loop, sweeps, the result."""

@@ -1,0 +1,448 @@
+"""Hyper-parameter sweeps with Ray Tune: trials of one job with sampled settings.
+
+Each trial's function trains as `train` does (`make_plan`, `run_training`), in a run directory
+of its own under the sweep's, and hands rank 0's epoch reports to Tune with Ray's
+`TuneReportCallback` (Ray's pattern for Train V2: the trial function runs the TorchTrainer). A
+trial is therefore an ordinary run: metrics.jsonl, checkpoints, report.png, `runs` and `report`
+read it. Tune samples the settings, runs as many trials at once as the cluster holds, and with
+ASHA stops the weak ones after their first epochs.
+
+The sweep directory describes itself (`sweep.json`: the job, the parameters, the scheduler), so
+`--resume DIR` needs nothing else. Tune restarts unfinished trials, and each continues from its
+run directory's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search.basic_variant import BasicVariantGenerator
+
+from raytrain_app import rundir, storage
+from raytrain_app.cluster.profiles import ClusterProfile
+from raytrain_app.config import JobConfig, nested, updated
+from raytrain_app.config.files import loads
+from raytrain_app.config.resolve import resolve_auto
+from raytrain_app.config.sections import metric_mode
+from raytrain_app.console import columns
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.errors import TrainingFailed, UserError, last_line
+from raytrain_app.launch.submission import (
+    Submission,
+    gpus_per_worker,
+    job_folder,
+    job_runtime_env,
+    new_job_id,
+    on_the_cluster,
+    running_in,
+)
+from raytrain_app.preflight.checks import check_data_and_model
+from raytrain_app.rundir.lease import Lease
+
+SPEC_FILE, BEST_FILE = "sweep.json", "best.yaml"
+# A trial's function only waits on its TorchTrainer, so it takes no CPU (else a one-CPU node
+# could not hold a trial and its worker); Tune's placement group needs something in its bundle.
+TRIAL_DRIVER = {"cpu": 0, "memory": 1}
+BOUNDED = {"loguniform", "uniform", "randint"}
+LISTED = {"choice", "grid"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """`--param KEY=KIND:ARGS`: loguniform:LOW:HIGH, uniform:LOW:HIGH, randint:LOW:HIGH (HIGH
+    excluded), choice:A,B,C (sampled) or grid:A,B,C (every value, times --samples)."""
+
+    key: str
+    kind: str
+    values: tuple
+
+    @classmethod
+    def parse(cls, expr: str) -> "Param":
+        key, eq, spec = expr.partition("=")
+        kind, _, rest = spec.partition(":")
+        if not eq or not key.strip():
+            raise UserError(f"--param {expr}: expected KEY=KIND:ARGS, e.g. optimizer.lr=loguniform:1e-4:1e-1")
+        if kind not in BOUNDED | LISTED:
+            raise UserError(f"--param {expr}: unknown distribution '{kind}' (choose from "
+                            f"{', '.join(sorted(BOUNDED | LISTED))})")
+        if kind in LISTED:
+            values = tuple(loads(v) for v in rest.split(",")) if rest else ()  # YAML 1.2: 1e-5 is a number
+            if not values:
+                raise UserError(f"--param {expr}: {kind} needs values, e.g. {kind}:32,64,128")
+            return cls(key.strip(), kind, values)
+        bounds = rest.split(":")
+        number = int if kind == "randint" else float
+        try:
+            low, high = (number(b) for b in bounds) if len(bounds) == 2 else (None, None)
+        except ValueError:
+            low = high = None
+        if low is None or not low < high or (kind == "loguniform" and low <= 0):
+            raise UserError(f"--param {expr}: {kind} needs LOW:HIGH with LOW < HIGH"
+                            + (" and LOW > 0" if kind == "loguniform" else "")
+                            + (" (integers)" if kind == "randint" else ""))
+        return cls(key.strip(), kind, (low, high))
+
+    def space(self):
+        if self.kind in LISTED:
+            return (tune.choice if self.kind == "choice" else tune.grid_search)(list(self.values))
+        return getattr(tune, self.kind)(*self.values)
+
+    @property
+    def most(self) -> Any:
+        """The largest value it can take (ASHA's last rung when the epochs are swept)."""
+        return max(self.values) - (1 if self.kind == "randint" else 0)
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.kind}:{(',' if self.kind in LISTED else ':').join(map(str, self.values))}"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What `sweep.json` holds: everything a resume needs."""
+
+    job: dict  # the job config, resolved, before the trials' settings
+    params: list[Param]
+    samples: int
+    scheduler: str  # asha | fifo
+    metric: str
+    mode: str  # max | min
+    max_concurrent: Optional[int]  # None: what the cluster holds, decided once connected
+    seed: int  # Tune's sampler: the same sweep draws the same settings
+
+    @property
+    def config(self) -> JobConfig:
+        return JobConfig.from_dict(self.job)
+
+    def trial_config(self, settings: dict, source: str = "sweep") -> JobConfig:
+        """The job with one trial's settings, ranking its checkpoints by the sweep's metric."""
+        changes = nested({"checkpoint.metric": self.metric, "checkpoint.mode": self.mode, **settings})
+        return resolve_auto(updated(self.config, changes, source))
+
+    def spec(self) -> str:
+        return json.dumps({**asdict(self), "params": [str(p) for p in self.params]}, indent=1) + "\n"
+
+    def save(self, sweep_dir: str) -> None:
+        storage.write_text(storage.join(sweep_dir, SPEC_FILE), self.spec())
+
+    def describe(self) -> str:
+        return (f"{self.samples} samples of {', '.join(map(str, self.params))}; {self.scheduler} on {self.metric} "
+                f"({self.mode})")
+
+    @classmethod
+    def load(cls, sweep_dir: str) -> "Sweep":
+        path = storage.join(sweep_dir, SPEC_FILE)
+        if not storage.exists(path):
+            raise UserError(f"--resume: {sweep_dir} holds no sweep (no {SPEC_FILE})")
+        spec = json.loads(storage.read_text(path))
+        return cls(**{**spec, "params": [Param.parse(p) for p in spec["params"]]})
+
+
+def plan_sweep(config: JobConfig, param_exprs: Sequence[str], samples: int, scheduler: str,
+               metric: Optional[str], mode: Optional[str], max_concurrent: Optional[int], check: bool = True) -> Sweep:
+    """Check everything a trial would trip over before any starts: each parameter's distribution
+    and key (its first value applied to the job), the metric, and (with `check`) the job's model
+    and data, built here."""
+    if samples < 1:
+        raise UserError(f"--samples must be >= 1, got {samples}")
+    if not param_exprs:
+        raise UserError("a sweep needs at least one --param KEY=KIND:ARGS")
+    if max_concurrent is not None and max_concurrent < 1:
+        raise UserError(f"--max-concurrent must be >= 1, got {max_concurrent}")
+    if config.script:
+        raise UserError("sweep runs job configs; a script's settings are its own arguments")
+    config = resolve_auto(config)
+    params = [Param.parse(expr) for expr in param_exprs]
+    if len({p.key for p in params}) < len(params):
+        raise UserError("--param: a key is given twice")
+    metric = metric or config.checkpoint.metric
+    reported = config.reported_metrics
+    if reported is not None and metric not in reported:
+        raise UserError(f"--metric {metric} is not a metric of this job (choose from {', '.join(reported)})")
+    if mode is None:
+        mode = config.checkpoint.mode if metric == config.checkpoint.metric else metric_mode(metric)
+    sweep = Sweep(config.to_dict(), params, samples, scheduler, metric, mode, max_concurrent, config.seed)
+    for param in params:  # a key the job does not have, or a value of the wrong type: one line now
+        sweep.trial_config({param.key: param.values[0]}, f"--param {param}")
+    if check:  # what `train` checks on the driver (builders, their args, labels, shards), for one trial
+        first = sweep.trial_config({p.key: p.values[0] for p in params}, "the first trial's config")
+        check_data_and_model(first)
+    return sweep
+
+
+def plan_for(config: JobConfig, param_exprs: Sequence[str], samples: int, scheduler: str, metric: Optional[str],
+             mode: Optional[str], max_concurrent: Optional[int], profile: Optional[ClusterProfile] = None,
+             check: bool = True) -> Sweep:
+    """`plan_sweep` for where the sweep will run: here, or on the profile's cluster, its trials
+    placed as `submit` places a job and its builders checked in the job's folder, as there."""
+    if profile is None:
+        return plan_sweep(config, param_exprs, samples, scheduler, metric, mode, max_concurrent, check)
+    with running_in(job_folder(profile)):
+        return plan_sweep(on_cluster(config, profile), param_exprs, samples, scheduler, metric, mode, max_concurrent,
+                          check)
+
+
+def on_cluster(config: JobConfig, profile: ClusterProfile) -> JobConfig:
+    """Trials for a profile's cluster, whose workers take a GPU each (or `scaling.gpus_per_worker`)
+    where its nodes have GPUs, as `submit` places them, and are placed as the profile says."""
+    gpus = gpus_per_worker(config, profile.gpus_per_node)
+    return updated(config, {"scaling": {"gpus_per_worker": float(gpus), "placement": profile.placement}},
+                   f"{config.name} on {profile.source}")
+
+
+def submission(sweep: Sweep, profile: ClusterProfile, sweep_dir: Optional[str], nodes: Optional[int],
+               resume: bool) -> Submission:
+    """The sweep as one job on the profile's cluster, whose driver runs `sweep --resume SWEEP_DIR`
+    there: `sweep.json`, written into SWEEP_DIR (by default in the profile's storage) just before
+    the job is sent, is all it reads. A SLURM job asks for `nodes` whole nodes, and its trials
+    take turns on them; a Ray cluster must have the profile's nodes."""
+    nodes = profile.nodes if nodes is None else nodes
+    if nodes < 1:
+        raise UserError(f"--nodes must be >= 1, got {nodes}")
+    s = sweep.config.scaling
+    per_node = (profile.gpus_per_node // int(s.gpus_per_worker) if s.gpus_per_worker
+                else int(profile.cpus_per_node // s.cpus_per_worker))
+    if per_node < 1:
+        raise UserError(f"a node of {profile.source} ({profile.cpus_per_node} CPUs, {profile.gpus_per_node} GPUs) "
+                        f"holds no worker of {s.cpus_per_worker:g} CPUs and {s.gpus_per_worker:g} GPUs")
+    if s.workers > nodes * per_node:
+        raise UserError(f"a trial's {s.workers} workers do not fit on {nodes} nodes of {per_node} workers each "
+                        "(--nodes, --workers)")
+    job_id = new_job_id(f"{sweep.config.name}-sweep")
+    # A local path as the cluster sees it: its jobs run in their working_dir, not here.
+    sweep_dir = storage.normalize(sweep_dir or storage.join(storage.normalize(profile.storage), job_id))
+    entrypoint = (f"python -m raytrain_app.cli sweep --resume {shlex.quote(sweep_dir)} "
+                  f"{on_the_cluster(profile, nodes)}")
+    runtime_env = job_runtime_env(profile, job_folder(profile), {})
+    return Submission(profile, sweep.config, job_id, sweep_dir, nodes, per_node, runtime_env, entrypoint,
+                      files={} if resume else {SPEC_FILE: sweep.spec()}, sweep=sweep.describe())
+
+
+@dataclass
+class Trial:
+    name: str  # its run directory's name under the sweep's
+    settings: dict
+    best: Optional[float]  # the sweep's metric at the trial's best epoch
+    best_epoch: Optional[int]
+    epochs_done: int
+    status: str  # finished, stopped early, failed, interrupted
+
+
+def launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], verbose: bool,
+           echo: Callable[[str], None], min_nodes: int = 1, node_timeout_s: float = 0) -> tuple[list[Trial], bool]:
+    """Run (or resume) the sweep on a cluster chosen as `train` chooses one; returns the trials,
+    best first, and whether the sweep was interrupted (Ctrl-C: Tune saves its state and stops
+    every trial; `--resume` continues). An embedded cluster gets room for as many trials as this
+    machine's CPUs (or GPUs) hold; a joined one `node_timeout_s` to reach
+    `min_nodes` (a SLURM allocation's nodes join while the sweep's job starts). The sweep directory's
+    lease is held throughout, as `train` holds a run's."""
+    if not verbose:  # Tune's own tables off: the console gets one line per trial epoch instead
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    held = Lease.acquire(sweep_dir, "sweep", lambda line: echo(f"warning: {line}"))
+    try:
+        return _launch(sweep, sweep_dir, resume, address, verbose, echo, min_nodes, node_timeout_s)
+    finally:
+        held.release()
+
+
+def _launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], verbose: bool,
+            echo: Callable[[str], None], min_nodes: int, node_timeout_s: float) -> tuple[list[Trial], bool]:
+    from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes, spare_cpus
+    from raytrain_app.cluster.session import cluster_for
+
+    config, s = sweep.config, sweep.config.scaling
+    if not resume:
+        sweep.save(sweep_dir)
+    # Trials that fit this machine: an embedded cluster's size.
+    here = sweep.max_concurrent or trials_that_fit(config, os.cpu_count() or 1, _local_gpus())
+    trial_cpus = s.workers * s.cpus_per_worker + spare_cpus(config)
+    room = here * trial_cpus - s.workers * s.cpus_per_worker  # beyond one trial's workers, which cluster_for counts
+    log_dir = os.path.join(sweep_dir, "logs") if storage.is_local(sweep_dir) else None
+    with cluster_for(s, address, log_dir, verbose, echo, room, min_nodes, node_timeout_s, dashboard=True):
+        nodes = connected_nodes()
+        check_workers_fit(nodes, config)  # one trial fits, or one line now
+        alive = [n for n in nodes if n.alive]
+        return run_sweep(sweep, sweep_dir, resume, echo, sum(n.cpus for n in alive), sum(n.gpus for n in alive),
+                         verbose)
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], None], cpus: float,
+              gpus: float, verbose: bool = False) -> tuple[list[Trial], bool]:
+    """Run (or resume) the sweep on the cluster this process is connected to, which has `cpus` and
+    `gpus`."""
+    trainable = tune.with_resources(tune.with_parameters(_trial, sweep=sweep, sweep_dir=sweep_dir),
+                                    TRIAL_DRIVER)
+    parent, name = os.path.dirname(sweep_dir.rstrip("/")), os.path.basename(sweep_dir.rstrip("/"))
+    run_config = tune.RunConfig(storage_path=parent, name=name, verbose=1 if verbose else 0,
+                                callbacks=[_Progress(sweep, echo)])
+    if resume and tune.Tuner.can_restore(sweep_dir):  # else it was stopped before Tune began: begin
+        tuner = tune.Tuner.restore(sweep_dir, trainable=trainable, resume_errored=True)
+    else:
+        concurrent = sweep.max_concurrent or trials_that_fit(sweep.config, cpus, gpus)
+        echo(f"sweep {sweep_dir}: {sweep.describe()}; {concurrent} trials at once")
+        epochs = max([sweep.config.train.epochs, *(p.most for p in sweep.params if p.key == "train.epochs")])
+        scheduler = (ASHAScheduler(time_attr="epoch", metric=sweep.metric, mode=sweep.mode, max_t=epochs,
+                                   grace_period=1, reduction_factor=2, stop_last_trials=False)
+                     if sweep.scheduler == "asha" else FIFOScheduler())
+        tuner = tune.Tuner(
+            trainable, param_space={p.key: p.space() for p in sweep.params},
+            # The limit goes to the sampler: Tune ignores max_concurrent_trials beside a sampler given.
+            tune_config=tune.TuneConfig(num_samples=sweep.samples, scheduler=scheduler,
+                                        trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname,
+                                        search_alg=BasicVariantGenerator(random_state=sweep.seed,
+                                                                         max_concurrent=concurrent)),
+            run_config=run_config)
+    results = tuner.fit()
+    errors = {os.path.basename(r.path.rstrip("/")): last_line(r.error) for r in results if r.error}
+    analysis = tune.ExperimentAnalysis(sweep_dir)  # results.experiment_path drops a URI's scheme
+    # Interrupted trials stay RUNNING or PENDING in the saved state, which a resume picks up.
+    interrupted = any(t.status in ("RUNNING", "PENDING", "PAUSED") for t in analysis.trials)
+    trials = [_summary(sweep, sweep_dir, t, interrupted, errors) for t in analysis.trials]
+    trials.sort(key=lambda t: (t.best is None, -(t.best or 0) if sweep.mode == "max" else (t.best or 0)))
+    return trials, interrupted
+
+
+def trials_that_fit(config: JobConfig, cpus: float, gpus: float) -> int:
+    """How many trials the cluster holds at once: its GPUs (or CPUs) over one trial's."""
+    from raytrain_app.cluster.capacity import spare_cpus
+
+    s = config.scaling
+    if s.gpus_per_worker:
+        return max(1, int(gpus // (s.workers * s.gpus_per_worker)))
+    return max(1, int(cpus // (s.workers * s.cpus_per_worker + spare_cpus(config))))
+
+
+@dataclass
+class Outcome:
+    trials: list[Trial]  # best first
+    best_file: Optional[str]  # best.yaml, once a trial has a score
+    interrupted: bool  # Ctrl-C: `sweep --resume` continues
+
+
+def run(sweep: Sweep, sweep_dir: str, resume: bool = False, address: Optional[str] = None, verbose: bool = False,
+        echo: Callable[[str], None] = print, min_nodes: int = 1, node_timeout_s: float = 600) -> Outcome:
+    """Run (or resume) a sweep from this process, as `raytrain-app sweep` does: its trials' epochs,
+    then the table of trials and the best one said to `echo`, and `best.yaml` written."""
+    trials, interrupted = launch(sweep, sweep_dir, resume, address, verbose, echo, min_nodes, node_timeout_s)
+    echo(table(sweep, trials))
+    best = write_best(sweep, sweep_dir, trials)
+    if best:
+        echo(f"best: {trials[0].name}, {sweep.metric} {trials[0].best:.4f}; its config: {best}")
+    return Outcome(trials, best, interrupted)
+
+
+def write_best(sweep: Sweep, sweep_dir: str, trials: list[Trial]) -> Optional[str]:
+    """`best.yaml`: the winning trial's resolved config, which `train` reproduces. A sweep whose
+    every trial failed has none, and failed."""
+    scored = [t for t in trials if t.best is not None]
+    failed = [t for t in trials if t.status.startswith("failed")]
+    if failed and len(failed) == len(trials):
+        raise TrainingFailed(f"every trial failed; {failed[0].name}: {failed[0].status.removeprefix('failed: ')}")
+    if not scored:
+        return None
+    path = storage.join(sweep_dir, BEST_FILE)
+    storage.write_text(path, f"# best of {sweep_dir}: {scored[0].name}, {sweep.metric} {scored[0].best:.6g} "
+                             f"at epoch {scored[0].best_epoch}\n"
+                       + storage.read_text(storage.join(sweep_dir, scored[0].name, "config.yaml")))
+    return path
+
+
+def table(sweep: Sweep, trials: list[Trial]) -> str:
+    header = ("TRIAL", *(p.key for p in sweep.params), f"BEST {sweep.metric}", "EPOCHS", "STATUS")
+    return columns(header, [(t.name, *(_cell(t.settings.get(p.key)) for p in sweep.params),
+                             "-" if t.best is None else f"{t.best:.4f}", str(t.epochs_done), t.status) for t in trials])
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _trial(settings: dict, sweep: Sweep, sweep_dir: str) -> None:
+    """One trial, inside Tune: the job with these settings, trained as `train` trains it."""
+    from raytrain_app.driver.trainer import run_training
+
+    run_dir = storage.join(sweep_dir, os.path.basename(tune.get_context().get_trial_dir()))
+    config = sweep.trial_config(settings)
+    run_training(make_plan(config, run_dir=run_dir, resume="if_any", sweep_trial=True),
+                 callbacks=[_EpochReports(config.train.epochs)])
+
+
+def _trial_dirname(trial) -> str:
+    return "trial-" + trial.trial_id.rsplit("_", 1)[-1]
+
+
+def _summary(sweep: Sweep, sweep_dir: str, trial, interrupted: bool, errors: dict[str, str]) -> Trial:
+    name = os.path.basename(trial.path.rstrip("/")) if trial.path else _trial_dirname(trial)
+    run_dir = storage.join(sweep_dir, name)
+    rows = rundir.read_metrics(run_dir)
+    best = rundir.best_row(rows, sweep.metric, sweep.mode)
+    done = max((row["epoch"] for row in rows if "epoch" in row), default=0)
+    planned = sweep.trial_config(trial.config).train.epochs
+    if trial.status == "ERROR":
+        status = f"failed: {errors.get(name, 'see its logs')}"
+    elif done >= planned:
+        status = "finished"
+    elif interrupted and trial.status != "TERMINATED":
+        status = "interrupted"
+    else:  # Tune ended it before its last epoch: ASHA's rung cut it, or its own train.early_stopping
+        status = "stopped early"
+        if rundir.read_record(run_dir).get("status") != status:  # the trial's own reason stands
+            rundir.record_status(run_dir, status, f"{sweep.scheduler} stopped it after epoch {done}")
+    return Trial(name, dict(trial.config), best[sweep.metric] if best else None, best["epoch"] if best else None,
+                 done, status)
+
+
+class _Progress(tune.Callback):
+    """One console line per trial epoch and per failed trial, instead of Tune's status tables."""
+
+    def __init__(self, sweep: Sweep, echo: Callable[[str], None]):
+        self.sweep, self.echo = sweep, echo
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        value = result.get(self.sweep.metric)
+        shown = f"{value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else value
+        epoch = result.get("epoch", result.get("final_epoch"))
+        self.echo(f"{_trial_dirname(trial)} epoch {epoch}: {self.sweep.metric} {shown} "
+                  f"({', '.join(f'{k}={_cell(v)}' for k, v in trial.config.items())})")
+        if result.get("done") and "epoch" in result:  # the scheduler's decision, before its last epoch
+            self.echo(f"{_trial_dirname(trial)} stopped early by {self.sweep.scheduler} after epoch {epoch}")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self.echo(f"{_trial_dirname(trial)} failed: its log is in {trial.path}")
+
+
+class _EpochReports(TuneReportCallback):
+    """Ray's TuneReportCallback for epoch-end reports only: a mid-epoch checkpoint's report holds a
+    placeholder score, which ASHA would take for the trial's. The last epoch's report reaches
+    Tune as `final_epoch`, which ASHA does not judge: stopping a trial that has trained in full
+    would only kill it before it writes how it ended."""
+
+    def __init__(self, epochs: int):
+        super().__init__()
+        self.epochs = epochs
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if metrics[0].get("mid_epoch"):
+            return
+        if metrics[0].get("epoch", 0) >= self.epochs:
+            metrics = [{**metrics[0], "final_epoch": metrics[0]["epoch"]}]
+            del metrics[0]["epoch"]
+        super().after_report(run_context, metrics, checkpoint)
+
+
+def new_sweep_dir(name: str) -> str:
+    return os.path.abspath(os.path.join("sweeps", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"))

@@ -1,0 +1,347 @@
+"""Plan -> Ray Train: build the TorchTrainer, run it, and collect what the workers report.
+
+The driver listens on a Ray queue for rank 0's events (per-epoch metrics, in-epoch progress)
+while `fit()` runs, prints them, and keeps `metrics.jsonl` in the run directory up to date.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from contextlib import suppress
+from typing import Optional, Sequence
+
+import ray
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2.api.callback import UserCallback
+from ray.util.queue import Empty, Queue
+
+from raytrain_app import rundir, storage, tracking
+from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes
+from raytrain_app.cluster.session import lost_local_node
+from raytrain_app.config import JobConfig, dump_yaml
+from raytrain_app.config.sections import ScalingConfig
+from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
+from raytrain_app.data.raydata import read_train
+from raytrain_app.driver.plan import RunPlan
+from raytrain_app.driver.result import Result
+from raytrain_app.errors import (
+    CheckpointNotWritten,
+    TrainingFailed,
+    UserError,
+    describe,
+    describe_rank,
+    last_line,
+    process_died,
+    timed_out,
+)
+from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
+from raytrain_app.worker.script import RestartCount, run_script_per_worker
+
+
+def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None,
+                 callbacks: Sequence[UserCallback] = ()) -> Result:
+    """Run the plan on the Ray cluster this process is connected to.
+
+    `marks` are the caller's wall-clock start-up marks ("start", "planned", "cluster"); with the
+    workers' own they become the start-up breakdown printed at the first step and kept in
+    `startup.json`. `callbacks` see every report too (a sweep's trial hands them to Tune). The
+    plan's lease on the run directory is given back when the run ends, however it ends.
+    """
+    try:
+        return _run_training(plan, progress, echo, marks, callbacks)
+    finally:
+        if plan.lease:
+            plan.lease.release()
+
+
+def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], callbacks: Sequence[UserCallback]):
+    config = plan.config
+    check_workers_fit(connected_nodes(), config)
+    rundir.remove_partial(plan.run_dir)  # what an earlier run's failed write left, now that we hold the lease
+    storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
+    history = rundir.MetricsLog(storage.join(plan.run_dir, rundir.METRICS), resume=plan.resume)
+    if plan.resume:
+        rundir.record_restart(plan.run_dir, "resume", "--resume")
+    rundir.record_status(plan.run_dir, "running")
+
+    _ray_train_settings(config)
+    events = Queue(actor_options={"num_cpus": 0})  # it fits anywhere, a Tune trial's placement group too
+    restarts = RestartCount.remote() if config.script else None
+    marks = {**(marks or {}), "fit": time.time()}
+    args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=events, progress=progress,
+                      log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd(),
+                      restarts=restarts, marks=marks)
+    callbacks = [RestartNotices(events, plan.run_dir, config.failure.max_failures, restarts), *callbacks]
+    if config.script:
+        callbacks.append(ScriptReports(events, plan.run_dir, reported=len(history.rows())))  # --resume continues
+    trainer = torch_trainer(
+        functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args), config.scaling,
+        datasets={"train": read_train(config.data)} if config.data.engine == "ray_data" else None,
+        run_config=ray.train.RunConfig(
+            name=os.path.basename(plan.run_dir),
+            storage_path=os.path.dirname(plan.run_dir),
+            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            callbacks=callbacks,
+            checkpoint_config=ray.train.CheckpointConfig(  # a script's checkpoints: the newest are kept
+                num_to_keep=config.checkpoint.keep,
+                checkpoint_score_attribute=None if config.script else config.checkpoint.metric,
+                checkpoint_score_order="max" if config.script else config.checkpoint.mode,
+            ),
+        ),
+    )
+    listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
+                             storage.join(plan.run_dir, "startup.json"))
+    listener.start()
+    try:
+        result = _fit(trainer, listener, events, restarts, config, plan.run_dir)
+        if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
+            raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
+    except BaseException as e:
+        ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        with suppress(Exception):  # neither may hide why the run ended
+            rundir.remove_partial(plan.run_dir)  # first: on a full disk, that frees the space to say so
+            rundir.record_status(plan.run_dir, ended, last_line(e))
+            tracking.finish(config.tracking, plan.run_dir, "KILLED" if ended == "interrupted" else "FAILED")
+        raise
+    best, best_metrics = rundir.best(plan.run_dir, rows=history.rows())
+    best_uri = best.path if best else None
+    tracking.finish(config.tracking, plan.run_dir, "FINISHED", best_uri, best_metrics)
+    rundir.record_status(plan.run_dir, *(("stopped early", listener.stopped_early) if listener.stopped_early else
+                                  ("finished",)))
+    return Result(
+        report=_picture(plan.run_dir, echo) if config.tracking.report_png else None,
+        config=config,
+        run_dir=plan.run_dir,
+        metrics=history.rows(),
+        best_checkpoint=best_uri,
+        best_metrics=best_metrics,
+        final_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
+        stopped_early=listener.stopped_early,
+        wall_s=time.time() - marks.get("start", marks["fit"]),  # the caller's start: the command's time
+    )
+
+
+def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restarts, config: JobConfig,
+         run_dir: str):
+    try:
+        return trainer.fit()
+    except BaseException as e:
+        # A lost embedded node reaches here looking like an interrupt or a failed controller: if
+        # that is what happened, the node watch says so and ends the process (see NodeWatch).
+        lost_local_node(wait_s=0.5 if isinstance(e, ray.exceptions.RayActorError) else 0)
+        if isinstance(e, ray.train.TrainingFailedError):
+            raise explain_failure(e, config, run_dir) from None
+        if isinstance(e, (SystemExit, ray.exceptions.RayActorError)):
+            # Ray Train's own SIGINT handler aborts the run and raises SystemExit (or, in older
+            # versions, kills its controller). An interrupted run is not a successful one.
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        listener.stop()
+        ray.kill(events.actor)
+        if restarts is not None:
+            ray.kill(restarts)
+
+
+def _picture(run_dir: str, echo) -> Optional[str]:
+    """RUN_DIR/report.png, the run's curves; a run without matplotlib says how to get them."""
+    from raytrain_app.rundir import plots
+
+    try:
+        return plots.write([run_dir], storage.join(run_dir, "report.png"))
+    except UserError as e:
+        echo(f"warning: no report.png: {e}")
+        return None
+
+
+# A poll interval the user set, which wins over ours.
+_USER_POLL_INTERVAL = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+
+
+def _ray_train_settings(config: JobConfig) -> None:
+    """Settings Ray Train reads only from the driver's environment when a run starts (and passes on
+    to its controller and workers)."""
+    # One timeout for both layers: torch's process group (TorchConfig) and Ray Train's own
+    # collectives such as the barrier inside ray.train.report, which has none by default.
+    os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(config.scaling.timeout_s)
+    # Workers stay where Ray started them, in a job's uploaded working_dir (or move to the launch
+    # directory, see WorkerArgs.cwd), instead of Ray Train's per-run scratch directory.
+    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
+    # Ray Train's controller polls its workers every 2 s by default, and a worker's report (every
+    # epoch, every step checkpoint) waits until the controller has taken the one before: each
+    # costs up to a poll interval, as do the start and the finish. Polling a few workers often is
+    # cheap; a large group is polled at about 100 workers a second in all.
+    poll_s = min(0.5, max(0.1, 0.01 * config.scaling.workers))
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = _USER_POLL_INTERVAL or str(poll_s)
+    # Ray Train sends what workers print to its own log as well as to stdout; a script's stdout
+    # is already captured line by line (script.RankOutput), which would then see every line twice.
+    os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+
+
+def shipped_working_dir() -> bool:
+    """Inside a Ray job that uploaded a working_dir, every worker already runs in its own copy of it."""
+    return bool(ray.get_runtime_context().runtime_env.get("working_dir"))
+
+
+class EventListener(threading.Thread):
+    """Drains rank 0's events while fit() blocks the main thread."""
+
+    def __init__(self, events: Queue, log: rundir.MetricsLog, progress: Progress, epochs: int, echo, marks: dict,
+                 startup_file: str):
+        super().__init__(daemon=True)
+        self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
+        self.marks, self.startup_file = marks, startup_file
+        self.nonfinite: Optional[dict] = None  # where the workers stopped at a non-finite loss
+        self.stopped_early: Optional[str] = None  # why train.early_stopping ended the run
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            with suppress(Empty, ray.exceptions.RayError):  # nothing queued within 0.2 s
+                self._handle(*self.events.get(timeout=0.2))
+
+    def stop(self) -> None:
+        """Stop listening, then handle what is still queued (the last epoch's event may be)."""
+        self._stop_event.set()
+        self.join()
+        with suppress(Empty, ray.exceptions.RayError):  # drained
+            while True:
+                self._handle(*self.events.get_nowait())
+        self.progress.close()
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "progress":
+            self.progress.update(*payload)
+            return
+        if kind == "nonfinite":
+            self.nonfinite = payload
+            return
+        if kind == "output":  # a script's line, as it printed it
+            self.echo(payload)
+            return
+        if kind == "report":  # a script's report: its own output says what it wants said
+            self.log.add(payload)
+            return
+        self.progress.close()
+        if kind == "startup":
+            phases = startup_phases({**self.marks, **payload})
+            storage.write_text(self.startup_file, json.dumps(phases, indent=1) + "\n")
+            self.echo(startup_line(phases))
+        elif kind == "notice":
+            self.echo(f"warning: {payload}")
+        elif kind == "info":
+            self.echo(payload)
+        elif kind == "epoch":
+            self.log.add(payload)
+            self.echo(epoch_line(payload, self.epochs))
+        elif kind == "stopped_early":
+            self.stopped_early = f"stopped early after epoch {payload['epoch']}: {payload['reason']}"
+            self.echo(self.stopped_early)
+
+
+class RestartNotices(UserCallback):
+    """In Ray Train's controller: one console line when a worker fails and the group restarts.
+
+    Ray's own account of a dead worker is a paragraph printed by the driver (kept in driver.log);
+    this says which rank failed, where, why, and which checkpoint the restart continues from.
+    Failures past `failure.max_failures` end the run and are explained by `explain_failure` instead.
+    """
+
+    def __init__(self, events: Queue, run_dir: str, max_failures: int, restarts=None):
+        self.events, self.run_dir, self.max_failures = events, run_dir, max_failures
+        self.restarts = restarts  # a script run's RestartCount
+        self.failures = 0
+        self.latest: Optional[str] = None
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if checkpoint is not None:
+            self.latest = storage.checkpoint_uri(self.run_dir, checkpoint)
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        self.failures += 1
+        if self.max_failures != -1 and self.failures > self.max_failures:
+            return
+        # A rank whose process died is the cause; the others' broken collectives are the effect.
+        died = [r for r, e in worker_exceptions.items() if process_died(e)]
+        rank = min(died or worker_exceptions)
+        if self.restarts is not None:
+            self.restarts.add.remote()
+        limit = "unlimited" if self.max_failures == -1 else self.max_failures
+        self.events.put(("notice", f"{describe_rank(rank, worker_exceptions[rank])}; restarting from "
+                                   f"{self.latest or 'the start'} (restart {self.failures} of {limit})"))
+        rundir.record_restart(self.run_dir, "restart", describe_rank(rank, worker_exceptions[rank]))
+
+
+class ScriptReports(UserCallback):
+    """In Ray Train's controller: each `raytrain_app.report` of a script, all ranks' values
+    combined (numbers averaged over the ranks that reported them, others rank 0's), to the
+    driver's metrics.jsonl."""
+
+    def __init__(self, events: Queue, run_dir: str, reported: int):
+        self.events, self.run_dir = events, run_dir
+        self.count = reported
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        self.count += 1
+        row = {"report": self.count}
+        for key in dict.fromkeys(k for m in metrics for k in m):
+            values = [m[key] for m in metrics if key in m]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            mixed = len(numbers) != len(values) or len(set(numbers)) == 1  # or the same everywhere (an epoch)
+            row[key] = values[0] if mixed else sum(numbers) / len(numbers)
+        if checkpoint is not None:
+            row["checkpoint"] = storage.checkpoint_uri(self.run_dir, checkpoint)
+        row["time"] = time.time()  # for report.png's time axis, as the loop's epoch rows have
+        self.events.put(("report", row))
+
+
+def _nonfinite_message(where: dict, latest) -> str:
+    then = ("the latest checkpoint is the last good one: lower optimizer.lr and --resume" if latest else
+            "no checkpoint was saved before it: lower optimizer.lr and start again")
+    return (f"the training loss was not finite at epoch {where['epoch']}, step {where['step']} "
+            f"(lr {where['lr']:.3g}); {then} (train.stop_on_nonfinite: false trains on regardless)")
+
+
+def torch_trainer(loop, scaling: ScalingConfig, run_config: ray.train.RunConfig,
+                  datasets: Optional[dict] = None) -> TorchTrainer:
+    """Ray Train's trainer running `loop` on `scaling`'s workers: training's and evaluation's, so
+    both place their workers alike (resources, placement, backend)."""
+    return TorchTrainer(
+        loop,
+        scaling_config=ray.train.ScalingConfig(num_workers=scaling.workers, use_gpu=scaling.gpus_per_worker > 0,
+                                               resources_per_worker=scaling.resources,
+                                               placement_strategy=scaling.placement),
+        torch_config=TorchConfig(backend=scaling.backend, timeout_s=scaling.timeout_s),
+        datasets=datasets, run_config=run_config)
+
+
+def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,
+                    run_dir: Optional[str] = None) -> Exception:
+    """One clause per failed rank: where it ran and its last error line, not Ray's nested tracebacks."""
+    failures = getattr(error, "worker_failures", None) or {}
+    if failures and all(isinstance(e, UserError) for e in failures.values()):
+        return UserError(last_line(next(iter(failures.values()))))
+    unwritten = [e for e in failures.values() if isinstance(e, CheckpointNotWritten)]
+    if unwritten and run_dir:  # a full disk: what was not written, and what is safe
+        rundir.remove_partial(run_dir)
+        good = rundir.kept(run_dir)
+        then = (f"the last good checkpoint is step {good[-1].step}: free space and --resume" if good else
+                "no checkpoint was written before it: free space and start again")
+        return TrainingFailed(f"{unwritten[0]}; {then}")
+    if not failures:
+        return TrainingFailed(describe(getattr(error, "controller_failure", error)))
+    # A rank whose process died is the cause; its peers' Gloo/NCCL connection errors follow from it.
+    ranked = sorted(failures.items(), key=lambda item: (not process_died(item[1]), item[0]))
+    clauses = [describe_rank(rank, e) for rank, e in ranked]
+    waiting = sorted(rank for rank, e in failures.items() if timed_out(e))
+    if waiting:
+        stalled = sorted(set(range(config.scaling.workers)) - set(failures))
+        clauses.insert(0, f"a collective timed out after {config.scaling.timeout_s}s (scaling.timeout_s): "
+                          f"rank(s) {', '.join(map(str, waiting))} were waiting; "
+                          f"rank(s) {', '.join(map(str, stalled)) or 'unknown'} stalled")
+    return TrainingFailed("; ".join(clauses))

@@ -1,0 +1,1 @@
+"""Using a trained run: scoring and predicting over its workers, exporting its weights, loading its model."""

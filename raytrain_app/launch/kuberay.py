@@ -1,0 +1,128 @@
+"""A KubeRay `RayJob` (ray.io/v1) for a job: KubeRay's operator creates a RayCluster of a head and
+N worker pods, submits the same `train` entrypoint to it, and deletes the cluster when the job
+ends.
+
+Retries (`backoffLimit`) each run on a new cluster (KubeRay v1.7.0, `rayjob_controller.go`), so the
+job has a fixed run directory in the profile's storage and a fixed `jobId`, and its entrypoint
+resumes from that directory's latest checkpoint (`--resume-if-any`) instead of starting over.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib.metadata import version
+from typing import Any
+
+import yaml
+
+from raytrain_app import storage
+from raytrain_app.errors import UserError
+from raytrain_app.launch.backend import Echo
+from raytrain_app.launch.rayjobs import RayJobs
+from raytrain_app.launch.submission import Submission
+
+NAME_LIMIT = 47  # KubeRay: a RayJob's name is a DNS-1035 label of at most 53 - 6 characters
+
+
+def rayjob(sub: Submission) -> dict[str, Any]:
+    """The RayJob manifest for `sub`."""
+    profile, k = sub.profile, sub.profile.kuberay
+    if not k.image:
+        raise UserError(f"{profile.source}: kuberay.image is not set: a RayJob names the image its pods run "
+                        "(Ray, torch and raytrain-app installed)")
+    if "working_dir" in sub.runtime_env:
+        raise UserError(f"{profile.source}: runtime_env.working_dir is a folder on this machine, which a RayJob "
+                        "cannot carry: put your code in kuberay.image")
+    secret = next((key for key, value in profile.runtime_env.env_vars.items() if "${" in str(value)), None)
+    if secret:
+        raise UserError(f"{profile.source}: runtime_env.env_vars.{secret} takes a value from this machine, which "
+                        "a manifest would hold in plain text: give the pods their credentials through "
+                        "kuberay.service_account")
+    s = sub.config.scaling
+    gpus = int(s.gpus_per_worker) * sub.workers_per_node
+    if s.memory_per_worker_gb and s.memory_per_worker_gb * sub.workers_per_node > k.worker_memory_gb:
+        raise UserError(f"{profile.source}: kuberay.worker_memory_gb {k.worker_memory_gb:g} cannot hold "
+                        f"{sub.workers_per_node} workers of scaling.memory_per_worker_gb {s.memory_per_worker_gb:g}")
+    worker_resources = {"cpu": str(profile.cpus_per_node), "memory": f"{k.worker_memory_gb:g}Gi",
+                        **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
+    head_resources = {"cpu": f"{k.head_cpus:g}", "memory": f"{k.head_memory_gb:g}Gi"}
+    pod = {**({"serviceAccountName": k.service_account} if k.service_account else {})}
+    spec = {
+        "entrypoint": sub.entrypoint,
+        "runtimeEnvYAML": _yaml({key: value for key, value in sub.runtime_env.items() if key in ("pip", "env_vars")}),
+        "jobId": sub.submission_id,  # the same on every retry, as is the run directory it names
+        "submissionMode": "K8sJobMode",
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": k.ttl_seconds_after_finished,
+        "backoffLimit": k.backoff_limit,
+        **({"activeDeadlineSeconds": k.active_deadline_s} if k.active_deadline_s else {}),
+        "rayClusterSpec": {
+            "rayVersion": k.ray_version or version("ray"),
+            "headGroupSpec": {
+                # No CPUs for Ray's scheduler on the head: training workers go to the worker pods.
+                "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+                "template": {"spec": {**pod, "containers": [{
+                    "name": "ray-head", "image": k.image,
+                    "ports": [{"containerPort": 6379, "name": "gcs-server"},
+                              {"containerPort": 8265, "name": "dashboard"},
+                              {"containerPort": 10001, "name": "client"}],
+                    "resources": {"limits": head_resources, "requests": head_resources}}]}},
+            },
+            "workerGroupSpecs": [{
+                "groupName": "gpu-workers" if gpus else "cpu-workers",
+                "replicas": sub.nodes, "minReplicas": sub.nodes, "maxReplicas": sub.nodes,
+                "rayStartParams": {},
+                "template": {"spec": {
+                    **pod,
+                    **({"nodeSelector": dict(k.node_selector)} if k.node_selector else {}),
+                    **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+                       if gpus else {}),
+                    "containers": [{"name": "ray-worker", "image": k.image,
+                                    "resources": {"limits": worker_resources, "requests": worker_resources}}]}},
+            }],
+        },
+    }
+    metadata = {"name": rayjob_name(sub.submission_id),
+                **({"namespace": k.namespace} if k.namespace else {}),
+                "labels": {"app.kubernetes.io/managed-by": "raytrain-app"},
+                "annotations": {"raytrain.run_dir": sub.run_dir}}
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": metadata, "spec": spec}
+
+
+class KubeRay(RayJobs):
+    """Jobs go to a KubeRay RayCluster's Jobs API, as for kind: ray; `k8s render` writes a RayJob
+    that brings a cluster of its own."""
+
+    def render(self, sub: Submission, warn: Echo) -> str:
+        manifest = rayjob(sub)
+        if storage.is_local(sub.run_dir):
+            warn(f"storage {sub.profile.storage} is a path: unless every pod mounts it (a shared volume), the "
+                 "run directory dies with the cluster and a retry starts over; use s3:// or gs://")
+        return _yaml(manifest)
+
+
+def rayjob_name(submission_id: str) -> str:
+    """A DNS-1035 label of at most NAME_LIMIT characters: lowercase letters, digits and '-',
+    starting with a letter; a long job name is cut, its date and suffix (what makes it unique) kept."""
+    label = re.sub(r"[^a-z0-9-]+", "-", submission_id.lower()).strip("-")
+    label = label if label[:1].isalpha() else f"job-{label}"
+    if len(label) > NAME_LIMIT:
+        unique = len("-20261124-101500-1a2b")
+        label = label[:NAME_LIMIT - unique].rstrip("-") + label[-unique:]
+    return label
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the runtime env, the job config in it) as readable `|` blocks, and
+    shared values written out each time rather than as YAML anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
+def _yaml(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)

@@ -1,0 +1,405 @@
+"""The training loop every Ray Train worker runs, top to bottom.
+
+Ray Train has already started this process, set its device and joined it to the process group
+(NCCL or Gloo) when `train_loop_per_worker` is called. From there it is plain DDP (or FSDP2,
+see `strategy.py`):
+
+    build data, task and model -> wrap in DDP or shard -> restore a checkpoint if there is one ->
+    for each epoch: set_epoch, train, evaluate, all-reduce metrics, report (+ checkpoint)
+
+The task (`tasks.py`) decides what a step optimises and what evaluation measures.
+
+`train_epoch` and `evaluate` take no Ray objects, so tests and benchmarks call them without Ray.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import nullcontext, suppress
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+from torch import nn
+
+from raytrain_app.config import JobConfig
+from raytrain_app.console import startup_phases
+from raytrain_app.data import (
+    build_datasets,
+    class_count,
+    eval_loader,
+    keep_on_device,
+    label_counts,
+    loader_workers,
+    to_device,
+    train_loader,
+)
+from raytrain_app.data.preprocess import recipe
+from raytrain_app.distributed import global_max
+from raytrain_app.errors import CheckpointNotWritten, last_line
+from raytrain_app.models import build_model, places_itself
+from raytrain_app.tasks import Classification, Task, build_task, class_weights, model_outputs
+from raytrain_app.tracking import Trackers
+from raytrain_app.worker import checkpoint
+from raytrain_app.worker.early_stopping import EarlyStopping
+from raytrain_app.worker.metrics import EpochMetrics, Sums, Totals
+from raytrain_app.worker.nonfinite import LossCheck, NonFiniteLoss
+from raytrain_app.worker.optim import build_optimizer, build_schedule, extend_schedule
+from raytrain_app.worker.reporter import Reporter
+from raytrain_app.worker.state import TrainState
+from raytrain_app.worker.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What the driver hands every worker: the one object that crosses the Ray boundary."""
+
+    job: dict  # the resolved job config as plain data; each worker validates it again
+    run_dir: str  # a local path or URI: where checkpoints and metrics live
+    events: Any  # a ray.util.queue.Queue that the driver's console reads
+    progress: bool  # rank 0 reports its position within epochs (the driver shows a bar)
+    log_dir: str  # RUN_DIR/logs, a local path or URI: where rank-N.log goes
+    cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
+    restarts: Any = None  # a script run's script.RestartCount actor
+    marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
+
+
+def train_loop_per_worker(args: WorkerArgs) -> None:
+    entered = time.time()
+    # Run where the user launched, as a hand-written DDP script would: relative data paths and
+    # "mypkg.models:build" import paths then mean the same on workers as on the driver.
+    if args.cwd and os.path.isdir(args.cwd):
+        os.chdir(args.cwd)
+        sys.path.insert(0, args.cwd)
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    report = Reporter(args.events, rank, args.log_dir, args.progress)
+    node = ray.get_runtime_context().get_node_id()
+    report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
+    try:
+        _run(Worker(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
+                    {**(args.marks or {}), "loop": entered}))
+    except BaseException:
+        report.failed()
+        raise
+    report.sync()
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This worker's part in the run: what the loop needs besides the job's own settings."""
+
+    job: JobConfig
+    run_dir: str
+    rank: int
+    world_size: int
+    node: str  # Ray's node id, for the mesh's host grouping
+    device: torch.device
+    report: Reporter  # this rank's log, and the events the driver's console shows
+    marks: dict  # start-up times so far (wall clock), for the first step's breakdown
+
+
+def _run(w: Worker) -> None:
+    job, tc, run_dir, rank, world_size, device, report = (w.job, w.job.train, w.run_dir, w.rank, w.world_size,
+                                                           w.device, w.report)
+    # The same seed on every rank for the initial weights (DDP broadcasts rank 0's anyway, and a
+    # 1-worker run starts from the same ones), then each rank its own for dropout and augmentation.
+    seed_everything(job.seed)
+    data = build_datasets(job.data)
+    preprocess = recipe(data.train)  # what a user of the trained model must do to raw inputs
+    task = build_task(job.task)
+    classification = isinstance(task, Classification)
+    outputs = model_outputs(task, data.train, class_count(data, rank, world_size, device) if classification
+                            else data.num_classes)
+    if classification and job.task.class_weights is not None:
+        task.weight = class_weights(job.task.class_weights, label_counts(data, outputs, rank, world_size, device))
+        report.info("class weights: %s", task.weight.tolist())
+        report.say(f"class weights ({'auto' if job.task.class_weights == 'auto' else 'given'}): "
+                   f"{task.weight.min():.3g} to {task.weight.max():.3g} over {outputs} classes")
+    model = build_model(job.model, data.input_shape, outputs, ray.train.torch.get_devices())
+    parallel = parallelize(model, job, world_size, w.node, device, report.warn, placed=places_itself(job.model))
+    seed_everything(job.seed + rank)
+
+    # Small datasets live on the GPU: the DataLoader's per-batch cost would exceed a small model's step.
+    resident = keep_on_device(data, job.data.on_device, device)
+    data = to_device(data, device) if resident else data
+    workers = loader_workers(job.data.loader_workers, data, job.scaling.cpus_per_worker)
+    pin = device.type == "cuda" and not resident
+    train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident,
+                                     job.data.engine)
+    eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident)
+    report.info("data %s, %d loader workers; compile %s%s; %s", "on the device" if resident else
+                "from Ray Data" if job.data.engine == "ray_data" else "through a DataLoader",
+                workers, tc.compile, " with CUDA graphs" if parallel.cuda_graphs else "", parallel.describe())
+
+    optimizer = build_optimizer(parallel.model.parameters(), job.optimizer, world_size)
+    precision = Precision(tc.precision, device)
+    steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
+    state = TrainState(parallel.model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
+                       precision.scaler, sharded=parallel.mesh is not None,
+                       early_stopping=EarlyStopping(tc.early_stopping) if tc.early_stopping else None)
+    step = Step(parallel.train_model, precision, task, tc.grad_accum_steps, tc.grad_clip, device,
+                parallel.memory_format, parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite))
+    epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
+    # What each checkpoint holds besides the state: the config, what the model was built for and
+    # how raw inputs become its inputs (`raytrain_app.load_model` rebuilds it from these), and the
+    # layout it was trained under, with a streamed dataset's row groups, which its position within
+    # an epoch refers to.
+    layout = {"world_size": world_size, "strategy": job.strategy.name if parallel.mesh else "ddp",
+              "mesh": list(parallel.mesh or ()), "data": getattr(data.train, "fingerprint", None)}
+    about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs,
+             "preprocess": preprocess, "layout": layout,
+             "class_weights": task.weight.tolist() if classification and task.weight is not None else None}
+    if ray.train.get_checkpoint():
+        restored, saved_layout = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device,
+                                                                run_dir, report.warn)
+        report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
+        extended = extend_schedule(optimizer, state.scheduler, steps_per_epoch, tc.epochs, job.schedule.on_extend)
+        if extended:
+            report.say(extended)
+        for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0):
+            report.warn(warning)
+    trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
+    after_step = AfterStep(job, about, rank, run_dir, step.loss_check, report, trackers,
+                           {**w.marks, "ready": time.time()})
+
+    try:
+        for epoch in range(state.epoch, tc.epochs):
+            sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+            sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming inside the epoch
+            first_step = state.step - state.batch // tc.grad_accum_steps  # this epoch's, also when resumed inside it
+            state.clock.start()
+            train_totals = train_epoch(step, train_dl, state, report.progress(epoch, state.batch + len(train_dl)),
+                                       after_step)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
+            seconds = state.clock.elapsed()
+            evaluated = eval_epoch(parallel.model, eval_dl, step)
+            state.finish_epoch()
+            metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
+                                        optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated)
+            # The same decision on every rank: it reads all-reduced metrics.
+            stop = state.early_stopping.update(metrics) if state.early_stopping else None
+            save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
+            report_to_ray(metrics, state, rank, about if save else None, run_dir)
+            report.epoch(metrics)
+            trackers.epoch(metrics)
+            if stop:
+                report.stopped_early({"epoch": state.epoch, "reason": stop})
+            report.sync()
+            if stop:
+                break
+    except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
+        report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
+    finally:
+        trackers.close()
+
+
+def resume_warnings(saved: Optional[dict], now: dict, mid_epoch: bool) -> list[str]:
+    """What a resume cannot reproduce exactly: another world size, strategy or mesh than the
+    checkpoint's, or, inside an epoch, a streamed dataset whose row groups changed since."""
+    if not saved:  # a checkpoint from before layouts were recorded
+        return []
+    warnings = []
+    if any(saved[k] != now[k] for k in ("world_size", "strategy", "mesh")):
+        how = " through torch.distributed.checkpoint" if saved["mesh"] else ""
+        warnings.append(f"resharded{how} from {describe_layout(saved)} to {describe_layout(now)}: the run goes on "
+                        "from the saved state, but is not bitwise the run it would have been")
+    if saved.get("data") != now["data"] and mid_epoch:
+        warnings.append("the streamed dataset's files changed since the checkpoint: the epoch under way goes on "
+                        "over the new row groups from the same batch, not exactly as it would have")
+    return warnings
+
+
+@dataclass
+class Step:
+    """How an optimizer step runs: which model the step calls (DDP and/or compiled), in which
+    precision, over how many micro-batches, with what clipping, where batches go, and what the
+    task computes from them."""
+
+    model: nn.Module
+    precision: "Precision"
+    task: Task
+    accum_steps: int = 1
+    grad_clip: Optional[float] = None
+    device: torch.device = torch.device("cpu")
+    memory_format: torch.memory_format = torch.contiguous_format
+    cuda_graphs: bool = False  # the compiled step replays CUDA graphs: mark where each step begins
+    loss_check: Optional[LossCheck] = None
+
+
+def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callable[[int], None]] = None,
+                after_step: Optional[Callable[[TrainState, bool], None]] = None) -> Totals:
+    """One pass over this rank's shard (or its rest, from `state.batch`); returns its unreduced loss totals.
+
+    With gradient accumulation, each optimizer step averages the gradients of up to
+    `accum_steps` micro-batches. DDP all-reduces on every backward unless told not to, so the
+    non-final micro-batches run under `no_sync()`: one all-reduce per optimizer step.
+    """
+    step.model.train()
+    if not (state.batch and state.totals):  # a fresh epoch; a resumed one continues its restored sums
+        state.totals = Totals(step.device)
+    totals = state.totals
+    n = state.batch + len(loader)
+    waited_since = time.perf_counter()
+    for i, batch in enumerate(loader, start=state.batch):
+        totals.data_wait_s += time.perf_counter() - waited_since  # the loader's share of the epoch
+        batch = step.task.move(batch, step.device, step.memory_format)
+        window_start = i - i % step.accum_steps
+        window_end = min(window_start + step.accum_steps, n)  # the epoch's last window may be shorter
+        last = i + 1 == window_end
+        sync = no_grad_sync(step.model) if not last else nullcontext()
+        if step.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may be overwritten
+        with sync:
+            with step.precision.autocast():
+                loss, count, named = step.task.train_loss(step.model, batch)
+            window = window_end - window_start
+            step.precision.backward(loss / window if window > 1 else loss)
+        totals.add(loss, count, named)
+        state.batch = i + 1
+        if last:
+            lr = state.optimizer.param_groups[0]["lr"]
+            step.precision.step(state.optimizer, state.model.parameters(), step.grad_clip)
+            state.optimizer.zero_grad(set_to_none=True)
+            state.scheduler.step()
+            state.step += 1
+            if step.loss_check:
+                step.loss_check.after_step(totals.sums[0], state.step, lr)
+            if after_step:
+                after_step(state, i + 1 == n)
+        if on_batch:
+            on_batch(i + 1)
+        waited_since = time.perf_counter()
+    if step.loss_check:
+        step.loss_check.settle()
+    return totals
+
+
+def eval_epoch(model: nn.Module, loader, step: Step) -> dict[str, float]:
+    """The task's metrics over every rank's unpadded eval shard: each rank sums over its own,
+    the sums are all-reduced, and only then divided."""
+    return step.task.metrics(evaluation_sums(model, loader, step))
+
+
+@torch.no_grad()
+def evaluation_sums(model: nn.Module, loader, step: Step) -> dict[str, torch.Tensor]:
+    """The task's sums over every rank's unpadded eval shard, all-reduced.
+
+    Takes the bare model, not the DDP wrapper: evaluation needs no gradient sync, and ranks may
+    hold one batch more or less than each other. A sharded model gathers its parameters from
+    every rank in each forward, so there a rank short of batches repeats its first one, its
+    sums dropped, until every rank has run as many forwards.
+    """
+    model.eval()
+    sums = Sums()
+    rounds = int(global_max(len(loader), step.device)) if is_sharded(model) else len(loader)
+    first = None
+    for batch in loader:
+        batch = step.task.move(batch, step.device, step.memory_format)
+        with step.precision.autocast():
+            sums.add(step.task.eval_sums(model, batch))
+        first = batch if first is None else first
+    for _ in range(rounds - len(loader)):
+        with step.precision.autocast():
+            step.task.eval_sums(model, first)
+    model.train()
+    return sums.all_reduce()
+
+
+class AfterStep:
+    """What follows an optimizer step: rank 0 tells the driver and the trackers where start-up went
+    (at a fresh run's first step), the trackers get their step-level point, and every
+    `checkpoint.every_steps` steps a mid-epoch checkpoint records the position within the epoch."""
+
+    def __init__(self, job: JobConfig, about: dict, rank: int, run_dir: str, loss_check: LossCheck,
+                 report: Reporter, trackers: Trackers, marks: dict):
+        self.job, self.about, self.rank, self.run_dir = job, about, rank, run_dir
+        self.loss_check, self.report = loss_check, report
+        self.trackers, self.marks = trackers, marks
+
+    def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
+        if state.step == 1:
+            marks = {**self.marks, "first_step": time.time()}
+            self.report.startup(marks)
+            self.trackers.startup(startup_phases(marks))
+        self.trackers.step(state)
+        every = self.job.checkpoint.every_steps
+        if every and state.step % every == 0 and not last_in_epoch:
+            self.loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
+            # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
+            c = self.job.checkpoint
+            report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
+                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.rank, self.about, self.run_dir)
+
+
+def report_to_ray(metrics: dict, state: TrainState, rank: int, about: Optional[dict], run_dir: str) -> None:
+    """Report to Ray Train, with a checkpoint of `state` (and `about` it) when `about` is given:
+    every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint.
+    A write that fails (a full disk) is said as such, with the space left, not as Ray's copy error."""
+    if about is None:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            checkpoint.save(directory, rank, state, about)
+        except OSError as e:
+            raise CheckpointNotWritten(state.step, f"this worker's staging folder {directory}",
+                                       _write_error(e, directory)) from None
+        try:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        except OSError as e:
+            raise CheckpointNotWritten(state.step, run_dir, _write_error(e, run_dir)) from None
+
+
+def _write_error(e: OSError, where: str) -> str:
+    """"no space left on device (12 MB free)", or the error's own words."""
+    if e.errno is None:
+        return last_line(e)
+    cause = os.strerror(e.errno).lower()
+    if e.errno == errno.ENOSPC and "://" not in where:
+        with suppress(OSError):
+            cause += f" ({shutil.disk_usage(where).free / 2**20:.0f} MB free)"
+    return cause
+
+
+class Precision:
+    """fp32, bf16 autocast, or fp16 autocast with a GradScaler (fp16's range needs loss scaling)."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.device_type = device.type
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype) if self.dtype else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params, grad_clip: Optional[float]) -> None:
+        if grad_clip is not None:
+            if self.scaler:
+                self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
