@@ -236,5 +236,8 @@ def test_a_requeued_job_resumes_its_run_from_the_checkpoint(slurm, profile):
     logs = cli(slurm, "logs", job_id, "--cluster", profile).stdout
     resumed = re.search(r"resumed from \S+ at step (\d+): epoch (\d+) from batch 0", logs)
     assert resumed and int(resumed.group(2)) >= 2, logs
+    # One output file holds both attempts: the first one's epoch 1 is still there, before the resume.
+    first = re.search(r"^epoch +1/3 ", logs, re.M)
+    assert first and first.start() < resumed.start(), logs
     assert json.loads(open(f"{run_dir}/run.json").read())["status"] == "finished"
     assert not os.path.exists(f"{run_dir}/lease.json")

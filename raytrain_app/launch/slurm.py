@@ -52,6 +52,7 @@ def sbatch_script(sub: Submission) -> str:
                *([f"--account={p.account}"] if p.account else []),
                *([f"--time={p.time_limit}"] if p.time_limit else []),
                f"--output={os.path.join(log_dir(sub.profile), 'raytrain-%j.out')}",
+               "--open-mode=append",  # a requeued job's second attempt adds to its first's output
                f"--comment=raytrain:{sub.run_dir}",
                *([f"--chdir={sub.runtime_env['working_dir']}"] if "working_dir" in sub.runtime_env else []),
                *p.sbatch_options]
