@@ -230,18 +230,37 @@ def test_a_sharded_checkpoint_restores_exactly_reshards_and_consolidates(tmp_pat
         assert torch.equal(restored[key]["exp_avg_sq"], torch.tensor(value)), key
     assert state.step == 3
 
-    # A checkpoint written unsharded cannot be resumed sharded: one line, no half-loaded state.
+    # And back: the one process trains on unsharded, and its checkpoint grows into two FSDP ranks,
+    # each holding its shards of exactly those weights and moments.
+    step = Step(alone, Precision("fp32", CPU), build_task(job(VARIANTS["ddp"]).task))
+    train_epoch(step, [tokens(4, 200 + i) for i in range(2)], state)
     unsharded = tmp_path / "unsharded"
     unsharded.mkdir()
     checkpoint.save(str(unsharded), 0, state, about={})
-    state.sharded = True
-    with pytest.raises(UserError, match="a checkpoint written without sharding cannot be resumed under strategy"):
-        checkpoint.load_into(str(unsharded), state, 0, CPU)
+    spawn(_grow_into_shards, str(tmp_path))
+    grown = [json.loads((tmp_path / f"grown{r}.json").read_text()) for r in (0, 1)]
+    for key, value in alone.state_dict().items():
+        assert torch.equal(torch.tensor(grown[0]["weights"][key]), value), key
+    moments = state.sharded_state_dict()["optimizer"]["state"]
+    for key, value in moments.items():
+        assert torch.equal(torch.tensor(grown[0]["exp_avg_sq"][key]), value["exp_avg_sq"]), key
+    assert grown[0] == grown[1] and grown[0]["step"] == state.step == 5
 
     # A damaged shard is caught by its checksum, on every rank.
     with open(merged / "shards" / "__1_0.distcp", "r+b") as f:
         f.write(b"\0" * 8)
     assert "shards/__1_0.distcp does not match its checksum" in checkpoint.verify(str(merged), 0)
+
+
+def _grow_into_shards(rank: int, out_dir: str) -> None:
+    """Rank `rank` of two FSDP ranks restoring the unsharded checkpoint in OUT_DIR/unsharded."""
+    parallel, fresh, _, _ = trained(rank, 2, VARIANTS["fsdp"])  # other weights and moments than the checkpoint's
+    checkpoint.load_into(str(Path(out_dir) / "unsharded"), fresh, rank, CPU)
+    optimizer = fresh.sharded_state_dict()["optimizer"]["state"]
+    (Path(out_dir) / f"grown{rank}.json").write_text(json.dumps({
+        "weights": {k: v.full_tensor().tolist() for k, v in parallel.model.state_dict().items()},
+        "exp_avg_sq": {k: v["exp_avg_sq"].full_tensor().tolist() for k, v in optimizer.items()},
+        "step": fresh.step}))
 
 
 def test_shard_units_are_the_repeated_blocks_or_the_named_classes():

@@ -96,9 +96,6 @@ def check_resumable(config: JobConfig, run_dir: str, model) -> list[str]:
                 raise UserError(f"{where} has {changed[0]}")
             raise UserError(f"{where} has parameter {name} shaped {shapes.get(name)}, the config's model has "
                             f"{built.get(name)} (the data's inputs or classes changed?)")
-    if config.strategy.sharded and not saved.get("sharded"):
-        raise UserError(f"{where} was written without sharding, and strategy {config.strategy.name} resumes only "
-                        f"sharded checkpoints: resume under strategy ddp, or start a new run")
     return [f"{where} has {change}: the weights fit, so the run resumes with the config's" for change in changed]
 
 

@@ -123,12 +123,10 @@ def verify(directory: str, rank: int) -> Optional[str]:
 
 def load_into(directory: str, state: TrainState, rank: int, device: torch.device) -> dict:
     """Restore `state` from a verified local checkpoint directory; returns the layout (world size,
-    mesh) it was written under. A sharded checkpoint loads into any mesh, or into a plain model."""
+    mesh) it was written under. A sharded checkpoint loads into any mesh, or into a plain model;
+    an unsharded one into a sharded model too (each rank keeps its shards of the full state)."""
     saved = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
     shards = os.path.join(directory, SHARDS)
-    if state.sharded and not os.path.isdir(shards):
-        raise UserError("a checkpoint written without sharding cannot be resumed under strategy fsdp or hsdp: "
-                        "resume it under the strategy that wrote it, or start a new run")
     state.load_state_dict(saved, shards if os.path.isdir(shards) else None)
     rank_file = os.path.join(directory, f"rank{rank}.pt")
     if os.path.exists(rank_file):  # a rank that did not exist when it was written keeps its fresh seed

@@ -111,6 +111,8 @@ class TrainState:
         with optim.configured_hyperparameters(self.optimizer, self.scheduler):
             if shards:
                 self._load_sharded(shards)
+            elif self.sharded:
+                self._shard_full(saved["model"], saved["optimizer"])
             else:
                 self.model.load_state_dict(saved["model"])
                 self.optimizer.load_state_dict(saved["optimizer"])
@@ -139,6 +141,23 @@ class TrainState:
         dcp.load(wanted, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=wanted["model"],
                        optim_state_dict=wanted["optimizer"])
+
+    def _shard_full(self, model: dict, optimizer: dict) -> None:
+        """An unsharded checkpoint's full weights and optimizer state, of which each rank keeps its
+        own shards: a run that went on unsharded (on one worker) grows back into FSDP or HSDP.
+
+        The plain optimizer state is keyed by parameter position; DCP's full state by name. The
+        positions are those of this optimizer's groups, built from the same model the same way."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        names = {param: name for name, param in self.model.named_parameters()}
+        by_position = dict(zip((i for group in optimizer["param_groups"] for i in group["params"]),
+                               (names[p] for group in self.optimizer.param_groups for p in group["params"])))
+        by_name = {"state": {by_position[i]: s for i, s in optimizer["state"].items()},
+                   "param_groups": [{**group, "params": [by_position[i] for i in group["params"]]}
+                                    for group in optimizer["param_groups"]]}
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=by_name,
+                       options=StateDictOptions(full_state_dict=True))
 
     def rank_state_dict(self) -> dict:
         """What this rank alone holds, saved by every rank."""
