@@ -41,10 +41,16 @@ RESOURCES = strict({"limits": {"type": "object", "additionalProperties": QUANTIT
                     "requests": {"type": "object", "additionalProperties": QUANTITY}})
 CONTAINER = strict({"name": {"type": "string"}, "image": {"type": "string"}, "resources": RESOURCES,
                     "ports": {"type": "array", "items": strict({"containerPort": INT32, "name": {"type": "string"}},
-                                                               ("containerPort",))}}, ("name",))
+                                                               ("containerPort",))},
+                    "volumeMounts": {"type": "array", "items": strict({"name": {"type": "string"},
+                                                                       "mountPath": {"type": "string"}},
+                                                                      ("name", "mountPath"))}}, ("name",))
+VOLUME = strict({"name": {"type": "string"},
+                 "emptyDir": strict({"medium": {"type": "string"}, "sizeLimit": QUANTITY})}, ("name",))
 POD_TEMPLATE = strict({"spec": strict({
     "containers": {"type": "array", "items": CONTAINER, "minItems": 1},  # the operator wants one at least
     "serviceAccountName": {"type": "string"}, "nodeSelector": STRINGS,
+    "volumes": {"type": "array", "items": VOLUME},
     "tolerations": {"type": "array", "items": strict({"key": {"type": "string"}, "operator": {"type": "string"},
                                                       "effect": {"type": "string"}})},
 }, ("containers",))})
@@ -148,6 +154,11 @@ def test_the_rayjob_fits_kuberays_schema_and_the_operators_rules():
     assert limits == {"cpu": "16", "memory": "120Gi", "nvidia.com/gpu": "4"}
     assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # workers on the worker pods only
     assert spec["shutdownAfterJobFinishes"] is True and spec["backoffLimit"] == 2
+    # Every pod's /dev/shm is memory of its own, not the container's 64 MB (NCCL, DataLoader workers).
+    for template in (cluster["headGroupSpec"]["template"], workers["template"]):
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        [mount] = [m for m in template["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[mount["name"]]["emptyDir"] == {"medium": "Memory"}
     # A retry runs on a new cluster: the same job id and run directory, resumed if it holds a checkpoint.
     run_dir = manifest["metadata"]["annotations"]["raytrain.run_dir"]
     assert run_dir == "s3://my-bucket/raytrain/runs/" + spec["jobId"]

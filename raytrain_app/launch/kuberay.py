@@ -46,7 +46,11 @@ def rayjob(sub: Submission) -> dict[str, Any]:
     worker_resources = {"cpu": str(profile.cpus_per_node), "memory": f"{k.worker_memory_gb:g}Gi",
                         **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
     head_resources = {"cpu": f"{k.head_cpus:g}", "memory": f"{k.head_memory_gb:g}Gi"}
-    pod = {**({"serviceAccountName": k.service_account} if k.service_account else {})}
+    # A container's /dev/shm is 64 MB unless a pod mounts one: NCCL between a pod's GPUs and the
+    # DataLoader's worker processes pass tensors through it.
+    pod = {**({"serviceAccountName": k.service_account} if k.service_account else {}),
+           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
+    shm = {"volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
     spec = {
         "entrypoint": sub.entrypoint,
         "runtimeEnvYAML": _yaml({key: value for key, value in sub.runtime_env.items() if key in ("pip", "env_vars")}),
@@ -66,7 +70,7 @@ def rayjob(sub: Submission) -> dict[str, Any]:
                     "ports": [{"containerPort": 6379, "name": "gcs-server"},
                               {"containerPort": 8265, "name": "dashboard"},
                               {"containerPort": 10001, "name": "client"}],
-                    "resources": {"limits": head_resources, "requests": head_resources}}]}},
+                    "resources": {"limits": head_resources, "requests": head_resources}, **shm}]}},
             },
             "workerGroupSpecs": [{
                 "groupName": "gpu-workers" if gpus else "cpu-workers",
@@ -78,7 +82,8 @@ def rayjob(sub: Submission) -> dict[str, Any]:
                     **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
                        if gpus else {}),
                     "containers": [{"name": "ray-worker", "image": k.image,
-                                    "resources": {"limits": worker_resources, "requests": worker_resources}}]}},
+                                    "resources": {"limits": worker_resources, "requests": worker_resources},
+                                    **shm}]}},
             }],
         },
     }
