@@ -235,11 +235,8 @@ class MetricsLog:
     def __init__(self, path: str, resume: bool):
         self.path = path
         self._rows: dict[int, dict] = {}
-        if resume and storage.exists(path):
-            for line in storage.read_text(path).splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    self._rows[_key(row)] = row
+        if resume:
+            self._rows = {_key(row): row for row in _jsonl(path)}
 
     def add(self, row: dict) -> None:
         key = _key(row)
