@@ -29,7 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 from raytrain_app.config.sections import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TaskConfig
 from raytrain_app.data import build_datasets, keep_on_device, to_device, train_loader
 from raytrain_app.models import build_model
-from raytrain_app.tasks import CustomStep, build_task
+from raytrain_app.tasks import build_task
+from raytrain_app.tasks.custom import CustomStep
 from raytrain_app.worker.loop import Precision, Step, seed_everything, train_epoch
 from raytrain_app.worker.nonfinite import LossCheck
 from raytrain_app.worker.optim import build_optimizer, build_schedule

@@ -25,7 +25,7 @@ from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import UserError
 from raytrain_app.models import build_model
 from raytrain_app.rundir import SNAPSHOT as CHECKPOINT_SNAPSHOT
-from raytrain_app.tasks import Classification
+from raytrain_app.tasks.supervised import Classification
 from raytrain_app.worker import checkpoint
 from raytrain_app.worker.loop import Precision, Step, eval_epoch, seed_everything, train_epoch
 from raytrain_app.worker.nonfinite import LAG, LossCheck, NonFiniteLoss

@@ -25,7 +25,8 @@ from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.models import build_model, places_itself
 from raytrain_app.preflight.memory import GiB, check_state_fits, shard_group, state_bytes
 from raytrain_app.rundir import checkpoints
-from raytrain_app.tasks import Classification, build_task
+from raytrain_app.tasks import build_task
+from raytrain_app.tasks.supervised import Classification
 from raytrain_app.worker import checkpoint
 from raytrain_app.worker.loop import Precision, Step, eval_epoch, seed_everything, train_epoch
 from raytrain_app.worker.metrics import EpochMetrics

@@ -27,7 +27,8 @@ from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.inference import scoring
 from raytrain_app.preflight.checks import check_data_and_model
-from raytrain_app.tasks import build_task, class_report, class_weights, model_outputs
+from raytrain_app.tasks import build_task, model_outputs
+from raytrain_app.tasks.supervised import class_report, class_weights
 from raytrain_app.worker.loop import Precision, Step, eval_epoch, evaluation_sums, train_epoch
 from raytrain_app.worker.optim import build_schedule
 from raytrain_app.worker.state import TrainState

@@ -24,7 +24,7 @@ from raytrain_app.data import (
 from raytrain_app.data.arrays import flip_and_crop
 from raytrain_app.errors import UserError
 from raytrain_app.models import build_model
-from raytrain_app.tasks import Classification
+from raytrain_app.tasks.supervised import Classification
 from raytrain_app.worker.loop import Precision, Step, eval_epoch, seed_everything, train_epoch
 from raytrain_app.worker.metrics import peak_flops, time_split, train_flops_per_sample
 from raytrain_app.worker.optim import build_optimizer, build_schedule

@@ -138,7 +138,8 @@ def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out:
     import torch
 
     from raytrain_app.data import Datasets, build_datasets, eval_loader, labelled_file
-    from raytrain_app.tasks import Classification, build_task, class_report
+    from raytrain_app.tasks import build_task
+    from raytrain_app.tasks.supervised import Classification, class_report
     from raytrain_app.worker.loop import Precision, Step, evaluation_sums
 
     ctx = ray.train.get_context()

@@ -47,7 +47,9 @@ from raytrain_app.data.preprocess import recipe
 from raytrain_app.distributed import global_max
 from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.models import build_model, places_itself
-from raytrain_app.tasks import Classification, Task, build_task, class_weights, model_outputs
+from raytrain_app.tasks import build_task, model_outputs
+from raytrain_app.tasks.base import Task
+from raytrain_app.tasks.supervised import Classification, class_weights
 from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint
 from raytrain_app.worker.early_stopping import EarlyStopping
