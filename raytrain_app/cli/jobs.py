@@ -90,7 +90,6 @@ def submit(follow, dry_run, **job):
     \b
     Examples:
       raytrain-app submit job.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
-      raytrain-app submit job.yaml --cluster cluster/slurm.yaml --nodes 2 --dry-run
       raytrain-app submit train.py --cluster cluster/aws-gpu.yaml --no-wait -- --lr 0.1
       raytrain-app submit --resume s3://bucket/runs/digits-20261123-101500-1a2b --cluster cluster/slurm.yaml
     """
