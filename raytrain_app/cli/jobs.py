@@ -19,7 +19,6 @@ from raytrain_app.cli.base import (
     profile_at,
     warn,
 )
-from raytrain_app.errors import UserError
 
 PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROFILE", type=click.Path(dir_okay=False),
                        help="A cluster profile, e.g. cluster/local.yaml.")
@@ -28,12 +27,9 @@ PROFILE = click.option("--cluster", "profile_file", required=True, metavar="PROF
 def _job_on_cluster(command):
     """The arguments that place a job on a profile's cluster: `submit`'s, and the renderers'."""
     for option in reversed([
-        click.argument("config_file", metavar="[CONFIG]", required=False, type=click.Path(dir_okay=False)),
+        click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False)),
         SCRIPT_ARGS,
         PROFILE,
-        click.option("--resume", "resume_dir", metavar="RUN_DIR", help="Continue this run (a stopped job's, or one "
-                                                                     "that hit its time limit) from its latest "
-                                                                     "checkpoint, with its own config; no CONFIG."),
         click.option("--nodes", type=int, help="Nodes to use (default: the profile's)."),
         click.option("--gpus-per-node", type=int, help="GPUs per node; one worker per GPU (default: the profile's)."),
         click.option("--cpus-per-node", type=int, help="CPUs per node (default: the profile's)."),
@@ -48,21 +44,17 @@ def _job_on_cluster(command):
     return command
 
 
-def placed(profile, config_file, script_args, resume_dir, nodes, gpus_per_node, cpus_per_node, workers_per_node,
-           name, overrides, max_failures, skip_checks):
-    """The job placed on the profile's cluster (`submission.plan_submission`), its warnings said:
-    a new run of CONFIG, or the run in `resume_dir` continued."""
+def placed(profile, config_file, script_args, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
+          overrides, max_failures, skip_checks):
+    """The job placed on the profile's cluster (`submission.plan_submission`), its warnings said."""
     from raytrain_app.api import job_config
     from raytrain_app.config import flag_overrides
-    from raytrain_app.launch.submission import plan_submission, run_to_continue
+    from raytrain_app.launch.submission import plan_submission
 
-    if bool(config_file) == bool(resume_dir):
-        raise UserError("give CONFIG to start a run, or --resume RUN_DIR to continue one"
-                        + (" (not both)" if config_file else ""))
     overrides = [*overrides, *flag_overrides(max_failures=max_failures)]
-    _, config = job_config(run_to_continue(resume_dir) if resume_dir else config_file, overrides, script_args)
+    _, config = job_config(config_file, overrides, script_args)
     sub = plan_submission(profile, config, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
-                          overrides, check_builders=not skip_checks, run_dir=resume_dir)
+                               overrides, check_builders=not skip_checks)
     for warning in sub.warnings:
         warn(warning)
     return sub
@@ -81,8 +73,7 @@ DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the plan and submi
 @DRY_RUN
 def submit(follow, dry_run, **job):
     """Submit CONFIG as a job to the cluster described by PROFILE: a Ray job, or under a SLURM
-    profile an sbatch job that starts Ray in its allocation. With --resume RUN_DIR instead, the
-    job continues that run from its latest checkpoint.
+    profile an sbatch job that starts Ray in its allocation.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
     arguments after --; it travels in the profile's working_dir, or its own folder.
@@ -90,8 +81,8 @@ def submit(follow, dry_run, **job):
     \b
     Examples:
       raytrain-app submit job.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
+      raytrain-app submit job.yaml --cluster cluster/slurm.yaml --nodes 2 --dry-run
       raytrain-app submit train.py --cluster cluster/aws-gpu.yaml --no-wait -- --lr 0.1
-      raytrain-app submit --resume s3://bucket/runs/digits-20261123-101500-1a2b --cluster cluster/slurm.yaml
     """
     with exit_codes():
         profile = profile_at(job.pop("profile_file"))

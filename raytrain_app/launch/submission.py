@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from raytrain_app import rundir, storage, tracking
+from raytrain_app import storage, tracking
 from raytrain_app.cluster.profiles import ClusterProfile, mask
 from raytrain_app.config import JobConfig, dump_yaml, updated
 from raytrain_app.config.resolve import resolve_auto
@@ -69,12 +69,10 @@ class Submission:
 def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[int] = None,
                     gpus_per_node: Optional[int] = None, cpus_per_node: Optional[int] = None,
                     workers_per_node: Optional[int] = None, name: Optional[str] = None,
-                    overrides: Sequence[str] = (), check_builders: bool = True,
-                    run_dir: Optional[str] = None) -> Submission:
+                    overrides: Sequence[str] = (), check_builders: bool = True) -> Submission:
     """Turn the cluster shape into workers (one per GPU, or per `scaling.gpus_per_worker` whole GPUs,
     or `workers_per_node` per CPU node), check on this machine what `train` would check on the
-    cluster, and say what the job will carry. The job's run directory is a new one in the
-    profile's storage, or `run_dir`, a run that the job continues (`run_to_continue`)."""
+    cluster, and say what the job will carry."""
     nodes = profile.nodes if nodes is None else nodes
     gpus = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     cpus = profile.cpus_per_node if cpus_per_node is None else cpus_per_node
@@ -116,7 +114,7 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
         with running_in(working_dir):  # where the job runs: imports and relative paths as there
             check_data_and_model(config)
     submission_id = new_job_id(config.name)
-    run_dir = storage.normalize(run_dir) if run_dir else storage.join(storage.normalize(profile.storage), submission_id)
+    run_dir = storage.join(storage.normalize(profile.storage), submission_id)
     if check_builders and not config.script:  # an MLflow server may answer only inside the cluster's network
         tracking.check(config.tracking, run_dir, profile.connect_timeout_s, {**os.environ, **profile.job_env_vars()},
                        packages=False)
@@ -126,18 +124,6 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
                   f"--run-dir {shlex.quote(run_dir)} --resume-if-any")
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source))
-
-
-def run_to_continue(run_dir: str) -> dict:
-    """The config of a run that `submit --resume` continues: the one it started with (config.yaml),
-    once the run is known to hold a checkpoint to continue from."""
-    config = rundir.read_config(run_dir)
-    if config is None:
-        raise UserError(f"--resume {run_dir}: no {rundir.CONFIG} there: not a run directory")
-    if not storage.exists(storage.join(run_dir, rundir.SNAPSHOT)):
-        raise UserError(f"--resume {run_dir}: the run holds no checkpoint to continue from (`raytrain-app runs` "
-                        "shows its status)")
-    return config
 
 
 def gpus_per_worker(config: JobConfig, node_gpus: int) -> int:
