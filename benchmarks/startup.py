@@ -1,14 +1,15 @@
-"""Start-up cost: wall time of the tiny 2-worker job through four launchers, alternating.
+"""Start-up cost: wall time of the tiny 2-worker job through five launchers, alternating.
 
     python benchmarks/startup.py --rounds 3
 
 Runs, round after round, (1) `raytrain-app train examples/digits.yaml --set train.epochs=1
---address local` (a fresh embedded cluster), (2) the same `train` joining a local cluster that
-`raytrain-app cluster up cluster/local.yaml` started before the rounds (stopped after them),
-(3) the same work as a plain Ray Train `TorchTrainer` script, (4) the same work under
-`torchrun --standalone --nproc_per_node 2`, and prints the median wall times and their ratios
-to torchrun. raytrain-app's own breakdown (imports, cluster, worker group, data, first step)
-is read from each run's startup.json.
+--local` (local mode: no Ray cluster), (2) the same with `--address local` (a fresh embedded
+cluster), (3) the same `train` joining a local cluster that `raytrain-app cluster up
+cluster/local.yaml` started before the rounds (stopped after them), (4) the same work as a plain
+Ray Train `TorchTrainer` script, (5) the same work under `torchrun --standalone
+--nproc_per_node 2`, and prints the median wall times and their ratios to torchrun.
+raytrain-app's own breakdown (imports, cluster, worker group, data, first step) is read from
+each run's startup.json.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def main() -> None:
     app = [os.path.join(bin_dir, "raytrain-app")]
     train = app + ["train", "examples/digits.yaml", "--set", "train.epochs=1"]
     variants = {
-        "raytrain-app train": lambda r: train + ["--address", "local", "--run-dir", f"{tmp}/run{r}"],
-        "raytrain-app, cluster up": lambda r: train + ["--run-dir", f"{tmp}/reuse{r}"],
+        "raytrain-app train --local": lambda r: train + ["--local", "--run-dir", f"{tmp}/local{r}"],
+        "raytrain-app train --ray": lambda r: train + ["--address", "local", "--run-dir", f"{tmp}/run{r}"],
+        "raytrain-app, cluster up": lambda r: train + ["--ray", "--run-dir", f"{tmp}/reuse{r}"],
         "plain TorchTrainer": lambda r: [sys.executable, os.path.join(HERE, "plain_torchtrainer.py")],
         "torchrun --standalone": lambda r: [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node",
                                             "2", os.path.join(HERE, "plain_ddp.py")],
@@ -63,7 +65,7 @@ def main() -> None:
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"  {name:<26} median {m:6.1f}s  ({', '.join(f'{t:.1f}' for t in ts)})  {m / base:4.1f}x torchrun")
-    for label, prefix in (("fresh cluster", "run"), ("cluster up", "reuse")):
+    for label, prefix in (("local mode", "local"), ("fresh cluster", "run"), ("cluster up", "reuse")):
         phases = [json.loads(Path(f"{tmp}/{prefix}{r}/startup.json").read_text()) for r in range(args.rounds)]
         print(f"  raytrain-app start-up ({label}), median s: " + ", ".join(
             f"{k} {statistics.median(p[k] for p in phases):.1f}" for k in phases[0]))

@@ -19,7 +19,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
         workers: Optional[int] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
         address: Optional[str] = None, resume: Union[bool, str] = False, verbose: bool = False, progress: bool = False,
         echo: Callable[[str], None] = print, started: Optional[float] = None, script_args: Sequence[str] = (),
-        min_nodes: int = 1, node_timeout_s: float = 600):
+        min_nodes: int = 1, node_timeout_s: float = 600, local: Optional[bool] = None):
     """Train `config` (a YAML path, "-" for standard input, a dict, or a JobConfig) and return the
     run's `Result` (run_dir, metrics per epoch, best and final checkpoint, wall time).
 
@@ -32,17 +32,21 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     scaling; `resume` True continues a run (see `make_plan` for "if_any"); `address` picks the cluster
     as `--address` does, and a process already connected to Ray (`ray.init()` done) trains there,
     and a cluster at `address` gets `node_timeout_s` to reach `min_nodes` nodes; `echo` receives
-    the console lines. Raises UserError (ConfigError) for anything the user can fix, TrainingFailed
-    when training started and did not finish.
+    the console lines. `local` True runs through Ray Train's local mode with no Ray cluster, False
+    on Ray, None as `scaling.local` says (see `driver/local.py`). Raises UserError (ConfigError)
+    for anything the user can fix, TrainingFailed when training started and did not finish.
     """
     marks = {"start": started or time.time()}
-    sets = [*(overrides or ()), *flag_overrides(workers=workers, gpus_per_worker=gpus_per_worker)]
+    sets = [*(overrides or ()), *flag_overrides(workers=workers, gpus_per_worker=gpus_per_worker, local=local)]
     source, job = job_config(config, sets, script_args)
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
+    from raytrain_app.driver import local as local_mode
     from raytrain_app.driver.plan import make_plan
 
-    plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"))
+    locally = local_mode.choose(job, address, min_nodes, ray_connected=_ray_connected())
+    plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"),
+                     local=locally)
     try:
         result = _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s)
     except KeyboardInterrupt:
@@ -66,9 +70,15 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
     marks["planned"] = time.time()
     s = plan.config.scaling
     what = plan.config.script.path if plan.config.script else f"{s.backend}, {plan.config.train.precision}"
-    echo(f"run {plan.run_dir}: {count(s.workers, 'worker')}, {what}")
+    where = "local mode (no Ray cluster; --ray for one)" if plan.local else "on Ray"
+    echo(f"run {plan.run_dir}: {count(s.workers, 'worker')}, {what}, {where}")
     for warning in plan.warnings:
         echo(f"warning: {warning}")
+    if plan.local:
+        from raytrain_app.driver.trainer import run_training
+
+        marks["cluster"] = marks["planned"]
+        return run_training(plan, progress=progress, echo=echo, marks=marks)
 
     def lost(message: str) -> None:  # the embedded node died under the run, which ends this process
         from raytrain_app.rundir import record_status
@@ -82,6 +92,14 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
 
         marks["cluster"] = time.time()
         return run_training(plan, progress=progress, echo=echo, marks=marks)
+
+
+def _ray_connected() -> bool:
+    """Whether this process has joined a Ray cluster already (a notebook's `ray.init()`), without
+    loading Ray when it has not."""
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def _how_to_continue(config, plan, script_args: Sequence[str]) -> str:

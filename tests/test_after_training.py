@@ -71,7 +71,7 @@ def trained(ray_cluster, tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(project)
     try:
-        result = raytrain_app.fit("job.yaml", run_dir="runs/plans", echo=lambda line: None)
+        result = raytrain_app.fit("job.yaml", run_dir="runs/plans", echo=lambda line: None, local=True)
     finally:
         os.chdir(cwd)
     elsewhere = tmp_path_factory.mktemp("elsewhere")
@@ -172,12 +172,12 @@ def test_runs_names_the_same_best_checkpoint(trained):
     assert run["best"] == f"eval_accuracy {best['eval_accuracy']:.4f} (epoch {best['epoch']})"
 
 
-def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_counts_on(ray_cluster, tmp_path):
+def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_counts_on(tmp_path):
     """A learning rate too small to learn: eval accuracy never improves on epoch 1's."""
     run_dir = tmp_path / "run"
     sets = ["optimizer.lr=1e-9", "train.epochs=10", "train.early_stopping={patience: 2}"]
     result = raytrain_app.fit(f"{REPO}/examples/digits.yaml", overrides=sets, run_dir=str(run_dir),
-                              echo=lambda line: None)
+                              echo=lambda line: None, local=True)
     assert [row["epoch"] for row in result.metrics] == [1, 2, 3]
     reason = "eval_accuracy did not improve for 2 epochs (best "
     assert result.stopped_early.startswith(f"stopped early after epoch 3: {reason}") and "at epoch 1)" in \
@@ -191,7 +191,8 @@ def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_count
 
     # Resumed with more patience, it goes on counting from the checkpoint: one more epoch is the third.
     resumed = raytrain_app.fit(f"{REPO}/examples/digits.yaml", run_dir=str(run_dir), resume=True,
-                               overrides=[*sets, "train.early_stopping.patience=3"], echo=lambda line: None)
+                               overrides=[*sets, "train.early_stopping.patience=3"], echo=lambda line: None,
+                               local=True)
     assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
     assert resumed.stopped_early.startswith("stopped early after epoch 4: eval_accuracy did not improve for 3 ")
 

@@ -1,4 +1,5 @@
-"""The DDP loop on a real Ray cluster: 2 Gloo workers on CPU, checked against single-process math."""
+"""The DDP loop, 2 Gloo workers on CPU, checked against single-process math: in local mode, and
+on the real Ray cluster where its placement is what is checked."""
 
 
 import time
@@ -39,8 +40,10 @@ def job(**sections) -> JobConfig:
     return JobConfig.from_dict(base)
 
 
-def run(config: JobConfig, run_dir, resume=False):
-    return run_training(make_plan(config, run_dir=str(run_dir), resume=resume), echo=lambda line: None)
+def run(config: JobConfig, run_dir, resume=False, local=True):
+    """Train in local mode unless Ray is what is under test: the loop is the same, without the
+    cluster's start-up (test_local_mode shows both give bitwise the same run)."""
+    return run_training(make_plan(config, run_dir=str(run_dir), resume=resume, local=local), echo=lambda line: None)
 
 
 def final_weights(result) -> dict:
@@ -82,7 +85,8 @@ def test_metrics_are_all_reduced_over_every_rank(table, tmp_path):
 
 
 def test_a_run_the_cluster_cannot_hold_is_one_line_before_any_worker_starts(table, tmp_path):
-    """The session's cluster has 4 CPUs and Ray's default share of this machine's memory."""
+    """On Ray: what is checked is the cluster's room. The session's cluster has 4 CPUs and Ray's
+    default share of this machine's memory."""
     ray_data = {**table, "engine": "ray_data"}
     for sections, message in (
             ({"scaling": {"workers": 5}}, "the cluster holds 4 workers of 1 CPU each, not 5: it has 1 nodes: "),
@@ -91,7 +95,7 @@ def test_a_run_the_cluster_cannot_hold_is_one_line_before_any_worker_starts(tabl
             ({"data": ray_data, "scaling": {"workers": 4}}, "data.engine: ray_data reads with Ray Data tasks, which "
                                                            "need 1 CPU besides the workers' 4")):
         with pytest.raises(UserError) as refused:
-            run(job(**{"data": table, **sections}), tmp_path / "run")
+            run(job(**{"data": table, **sections}), tmp_path / "run", local=False)
         assert str(refused.value).startswith(message), str(refused.value)
         assert not (tmp_path / "run").exists()
 

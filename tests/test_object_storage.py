@@ -35,9 +35,10 @@ def overrides(marker, epochs: int) -> list[str]:
 
 
 def train(run_dir, marker, epochs, resume=False, echo=lambda line: None):
-    """The same job through the library, on the session's cluster (whose workers have the object
-    store's credentials in their environment)."""
-    plan = make_plan(load_config("examples/digits.yaml", overrides(marker, epochs)), run_dir=run_dir, resume=resume)
+    """The same job through the library, in local mode (its worker processes have the object
+    store's credentials in their environment, which the session's cluster fixture sets)."""
+    plan = make_plan(load_config("examples/digits.yaml", overrides(marker, epochs)), run_dir=run_dir, resume=resume,
+                     local=True)
     return run_training(plan, echo=echo)
 
 

@@ -28,7 +28,7 @@ def test_in_a_real_run_every_rank_trains_on_as_many_disjoint_rows_each_epoch(tmp
                        "args": {"path": str(train), "eval_path": str(train / "part-2.parquet"),
                                 "features": ["x", "one"], "buffer_rows": 100}},
                  train={"epochs": 2, "batch_size": 16})
-    result = run(config, tmp_path / "run")
+    result = run(config, tmp_path / "run", local=False)
     assert [row["epoch"] for row in result.metrics] == [1, 2]
     per_epoch = ROWS // 2 // 16
     batches = {rank: [[int(v) for v in line.split()] for line in (tmp_path / "seen" / f"rank-{rank}.txt").open()]
@@ -71,7 +71,7 @@ def test_a_killed_worker_restarts_its_epoch_from_the_epoch_checkpoint(tmp_path):
     result = run(job(model=model, data={"name": "parquet", "engine": "ray_data",
                                         "args": {"path": str(tmp_path / "train"),
                                                  "eval_path": str(tmp_path / "eval.parquet"), "buffer_rows": 256}},
-                     train={"epochs": 2, "batch_size": 32}, failure={"max_failures": 1}), tmp_path / "run")
+                     train={"epochs": 2, "batch_size": 32}, failure={"max_failures": 1}), tmp_path / "run", local=False)
     assert not marker.exists()  # the fault really happened
     log = (tmp_path / "run" / "logs" / "rank-1.log").read_text()
     assert "data from Ray Data" in log

@@ -1,7 +1,7 @@
-"""Faults made to happen for real on a real Ray cluster: a worker SIGKILLed mid-epoch (its run
-directory in a real S3-compatible store), a crash and
---resume, a rank that stalls inside a step, damaged and hostile checkpoint files, a loss that
-goes NaN on one rank."""
+"""Faults made to happen for real: a worker SIGKILLed mid-epoch on the real Ray cluster (its run
+directory in a real S3-compatible store), a rank that stalls inside a step under Ray Train's
+collectives, and in local mode a crash and --resume, damaged and hostile checkpoint files, a
+loss that goes NaN on one rank."""
 
 import errno
 import hashlib
@@ -68,7 +68,9 @@ def straight_and_killed(config, tmp_path) -> tuple:
 
 
 def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise_from_the_bucket(straight, tmp_path, mlflow_server, s3):
-    """The run directory is in the S3-compatible store, so the restart restores from the bucket."""
+    """On Ray: Ray Train's own restart of the worker group is what is tested (local mode's has its
+    test in test_local_mode). The run directory is in the S3-compatible store, so the restart
+    restores from the bucket."""
     marker = tmp_path / "fault"
     marker.touch()
     run_dir = f"s3://{s3.bucket}/reliability/killed"
@@ -138,6 +140,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(straight, tmp_pat
 
 
 def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(tmp_path):
+    """On Ray: how Ray Train reports the ranks' timed-out collectives is what is tested."""
     marker = tmp_path / "fault"
     marker.touch()
     config = faulty(marker, at=3, fault="stall", scaling={"timeout_s": 5})
@@ -199,7 +202,8 @@ def test_damaged_and_hostile_checkpoints_are_reported_and_skipped(tmp_path):
 
     lines = []
     longer = job(data={"name": "digits"}, train={"epochs": 4, "batch_size": 64}, checkpoint={"keep": 3})
-    resumed = run_training(make_plan(longer, run_dir=str(tmp_path / "run"), resume=True), echo=lines.append)
+    resumed = run_training(make_plan(longer, run_dir=str(tmp_path / "run"), resume=True, local=True),
+                           echo=lines.append)
     assert f"warning: skipping checkpoint {third}: state.pt does not match its checksum (partial or corrupted write)" \
         in lines
     assert any(line.startswith(f"warning: skipping checkpoint {second}: UnpicklingError") for line in lines), lines
@@ -267,7 +271,8 @@ def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(t
     # --resume with a lower lr continues from that checkpoint, under the new lr.
     lines = []
     lower = faulty(marker, at=30, fault="nan", schedule={"name": "constant"}, optimizer={"lr": 0.05})
-    resumed = run_training(make_plan(lower, run_dir=str(tmp_path / "run"), resume=True), echo=lines.append)
+    resumed = run_training(make_plan(lower, run_dir=str(tmp_path / "run"), resume=True, local=True),
+                           echo=lines.append)
     assert any(re.match(r"resumed from \S+ at step 23: epoch 2 from batch 0$", line) for line in lines), lines
     assert [row["epoch"] for row in resumed.metrics] == [1, 2]
     assert resumed.metrics[-1]["lr"] == 0.05 and resumed.metrics[-1]["train_loss"] < resumed.metrics[0]["train_loss"]

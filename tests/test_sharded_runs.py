@@ -15,8 +15,6 @@ from raytrain_app.rundir import checkpoints
 from tests.test_distributed import final_weights
 from tests.test_reliability import faulty, straight_and_killed
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
-
 # Each Linear its own shard unit, then the root: the MLP's layers are not repeated blocks.
 FSDP = {"name": "fsdp", "shard_modules": ["Linear"]}
 
@@ -59,7 +57,7 @@ def test_a_killed_fsdp_worker_resumes_bitwise_and_the_run_reshards_to_one_worker
     lines = []
     one = updated(sharded_job(tmp_path / "fault"), {"train": {"epochs": 3}, "scaling": {"workers": 1},
                                                     "optimizer": {"lr": 1e-46}})
-    plan = make_plan(one, run_dir=str(tmp_path / "killed"), resume=True)
+    plan = make_plan(one, run_dir=str(tmp_path / "killed"), resume=True, local=True)
     assert plan.warnings == ("strategy fsdp on one worker has nothing to shard over: training it unsharded",)
     resumed = run_training(plan, echo=lines.append)
     console = "\n".join(lines)

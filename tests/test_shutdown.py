@@ -1,4 +1,6 @@
-"""Ctrl-C, with stale Ray state in the temp dir, through the real command and the real process table."""
+"""Ctrl-C, with stale Ray state in the temp dir, through the real command and the real process
+table. On Ray (`--ray`): the embedded cluster's processes are what must not outlive the command
+(local mode's Ctrl-C is in test_local_mode)."""
 
 import json
 import os
@@ -39,7 +41,7 @@ def test_ctrl_c_stops_the_workers_and_the_cluster_and_leaves_nothing_half_writte
 
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml",
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
                              "--run-dir", str(run_dir), "--set", "train.epochs=500",
                              "--set", "checkpoint.every_epochs=1", "--set", "checkpoint.every_steps=3"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -70,7 +72,7 @@ def test_ctrl_c_stops_the_workers_and_the_cluster_and_leaves_nothing_half_writte
 
     # The command it printed continues the run; then the run's local Ray node dies under it (the
     # kernel's OOM killer sends SIGKILL): one line, exit 1, run.json failed, Ray's logs kept.
-    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", *shlex.split(resume)[1:]], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", *shlex.split(resume)[1:], "--ray"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     for line in proc.stdout:
         if line.startswith("resumed from"):

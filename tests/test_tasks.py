@@ -179,10 +179,9 @@ def test_f1_macro_counts_the_labels_scikit_learn_counts(task):
 
 def run(config: dict, run_dir, overrides=()):
     job = load_config(config, overrides) if isinstance(config, str) else JobConfig.from_dict(config)
-    return run_training(make_plan(job, run_dir=str(run_dir)), echo=lambda line: None)
+    return run_training(make_plan(job, run_dir=str(run_dir), local=True), echo=lambda line: None)
 
 
-@pytest.mark.usefixtures("ray_cluster")
 def test_the_regression_example_reaches_its_bar(tmp_path):
     result = run("examples/regression.yaml", tmp_path / "run")
     last = result.metrics[-1]
@@ -202,7 +201,6 @@ def test_the_regression_example_reaches_its_bar(tmp_path):
     assert float(((predicted - y_eval.squeeze().double()) ** 2).mean()) == pytest.approx(last["eval_mse"], rel=1e-4)
 
 
-@pytest.mark.usefixtures("ray_cluster")
 def test_the_charlm_example_beats_the_unigram_baseline(tmp_path):
     result = run("examples/charlm.yaml", tmp_path / "run")
     data = build_datasets(load_config("examples/charlm.yaml").data)
@@ -215,7 +213,6 @@ def test_the_charlm_example_beats_the_unigram_baseline(tmp_path):
     assert result.best_metrics["eval_perplexity"] == min(r["eval_perplexity"] for r in result.metrics)
 
 
-@pytest.mark.usefixtures("ray_cluster")
 def test_a_custom_step_example_trains_and_checkpoints_by_its_own_metric(tmp_path):
     result = run("examples/custom_step/job.yaml", tmp_path / "run")
     assert result.metrics[-1]["eval_accuracy"] >= 0.9  # the bar in the example's comment

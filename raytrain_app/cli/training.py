@@ -44,9 +44,13 @@ from raytrain_app.errors import UserError
 @MIN_NODES
 @NODE_TIMEOUT
 @MAX_FAILURES
+@click.option("--local/--ray", "local", default=None,
+              help="--local: no Ray cluster, through Ray Train's local mode (one worker in this process, more as "
+                   "torchrun's processes); --ray: on a Ray cluster. Default: scaling.local (auto: local where "
+                   "nothing Ray brings is asked for).")
 @VERBOSE
 def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides, max_failures, resume,
-          resume_if_any, address, min_nodes, node_timeout, verbose):
+          resume_if_any, address, min_nodes, node_timeout, local, verbose):
     """Train CONFIG (a YAML file, or - for standard input) on Ray.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
@@ -54,7 +58,7 @@ def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides
 
     \b
     Examples:
-      raytrain-app train examples/digits.yaml --workers 2
+      raytrain-app train examples/digits.yaml --workers 2 --local
       raytrain-app train examples/digits.yaml --run-dir s3://bucket/runs/d1 --set optimizer.lr=0.05
       raytrain-app train train.py --workers 4 --max-failures 2 -- --epochs 3
     """
@@ -66,7 +70,7 @@ def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides
                      gpus_per_worker=gpus_per_worker, run_dir=run_dir, address=address,
                      resume="if_any" if resume_if_any else resume,
                      verbose=verbose, progress=sys.stdout.isatty(), echo=click.echo, started=STARTED,
-                     script_args=script_args, min_nodes=min_nodes, node_timeout_s=node_timeout)
+                     script_args=script_args, min_nodes=min_nodes, node_timeout_s=node_timeout, local=local)
         from raytrain_app.driver.result import summary
 
         click.echo(summary(result))

@@ -183,12 +183,12 @@ def nested(dotted: dict) -> dict:
 
 
 FLAG_KEYS = {"workers": "scaling.workers", "gpus_per_worker": "scaling.gpus_per_worker",
-             "max_failures": "failure.max_failures"}
+             "max_failures": "failure.max_failures", "local": "scaling.local"}
 
 
 def flag_overrides(**flags) -> list[str]:
     """The `--set` expressions that the CLI's shortcut flags (--workers, --gpus-per-worker,
-    --max-failures) stand for; flags not given (None) set nothing."""
+    --max-failures, --local/--ray) stand for; flags not given (None) set nothing."""
     return [f"{FLAG_KEYS[flag]}={value}" for flag, value in flags.items() if value is not None]
 
 

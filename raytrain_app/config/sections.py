@@ -256,6 +256,10 @@ class ScalingConfig(Section):
                                                   "barriers")
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="how Ray places workers on nodes (submit sets it from the profile)")
+    local: Union[Literal["auto"], bool] = Field("auto", description="run without a Ray cluster, through Ray Train's "
+                                                                    "local mode and torch's launcher (auto: where "
+                                                                    "nothing is lost: train on this machine, no "
+                                                                    "--address, no Ray Data, no script)")
 
     @property
     def resources(self) -> dict:

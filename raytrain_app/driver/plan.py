@@ -29,6 +29,7 @@ class RunPlan:
     resume: bool
     warnings: tuple[str, ...] = ()  # what the user should hear before the run starts
     lease: Optional[Lease] = None  # the run directory's, held from the plan to the end of the run
+    local: bool = False  # through Ray Train's local mode, with no Ray cluster (driver/local.py)
 
     @property
     def log_dir(self) -> str:
@@ -48,7 +49,8 @@ class RunPlan:
 
 
 def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bool, str] = False,
-              source: str = "config", warn: Callable[[str], None] = print, sweep_trial: bool = False) -> RunPlan:
+              source: str = "config", warn: Callable[[str], None] = print, sweep_trial: bool = False,
+              local: bool = False) -> RunPlan:
     """`resume` "if_any" continues `run_dir` when it holds a checkpoint and starts it otherwise: the
     entrypoint of a job that its scheduler may run again (a retried RayJob, a requeued SLURM job).
 
@@ -62,13 +64,14 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bo
     held = Lease.acquire(run_dir, "sweep trial" if sweep_trial else "train", warn)
     try:
         storage.check_writable(run_dir)  # a full or read-only volume, now, not at the first checkpoint
-        return _checked(config, run_dir, resume, source, held)
+        return _checked(config, run_dir, resume, source, held, local)
     except BaseException:
         held.release()
         raise
 
 
-def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: str, held: Lease) -> RunPlan:
+def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: str, held: Lease,
+             local: bool) -> RunPlan:
     """The plan's checks, with the run directory's lease held; nothing in it changes until they pass."""
     # Ray Train writes its index after every checkpoint: something to resume, and no fresh start here.
     has_checkpoint = storage.exists(storage.join(run_dir, SNAPSHOT))
@@ -94,7 +97,7 @@ def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: 
     if config.strategy.sharded and config.scaling.workers == 1:
         warnings.append(f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
                         "unsharded")
-    return RunPlan(config, run_dir, bool(resume), tuple(warnings), held)
+    return RunPlan(config, run_dir, bool(resume), tuple(warnings), held, local)
 
 
 def _latest_or_new_run_dir(name: str, resume: bool) -> str:

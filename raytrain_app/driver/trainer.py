@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import queue
 import threading
 import time
 from contextlib import suppress
@@ -18,7 +19,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
-from ray.util.queue import Empty, Queue
+from ray.util.queue import Queue
 
 from raytrain_app import rundir, storage, tracking
 from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes
@@ -27,6 +28,7 @@ from raytrain_app.config import JobConfig, dump_yaml
 from raytrain_app.config.sections import ScalingConfig
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.data.raydata import read_train
+from raytrain_app.driver import local
 from raytrain_app.driver.plan import RunPlan
 from raytrain_app.driver.result import Result
 from raytrain_app.errors import (
@@ -39,6 +41,7 @@ from raytrain_app.errors import (
     process_died,
     timed_out,
 )
+from raytrain_app.rundir import snapshot
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.worker.script import RestartCount, run_script_per_worker
 
@@ -61,7 +64,8 @@ def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optio
 
 def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], callbacks: Sequence[UserCallback]):
     config = plan.config
-    check_workers_fit(connected_nodes(), config)
+    if not plan.local:
+        check_workers_fit(connected_nodes(), config)
     rundir.remove_partial(plan.run_dir)  # what an earlier run's failed write left, now that we hold the lease
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = rundir.MetricsLog(storage.join(plan.run_dir, rundir.METRICS), resume=plan.resume)
@@ -69,38 +73,28 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
         rundir.record_restart(plan.run_dir, "resume", "--resume")
     rundir.record_status(plan.run_dir, "running")
 
-    _ray_train_settings(config)
-    events = Queue(actor_options={"num_cpus": 0})  # it fits anywhere, a Tune trial's placement group too
-    restarts = RestartCount.remote() if config.script else None
+    if plan.local:
+        events, sent_to = local.fresh_events(config.scaling.workers)
+        restarts = None
+    else:
+        _ray_train_settings(config)
+        events = sent_to = Queue(actor_options={"num_cpus": 0})  # it fits anywhere, a Tune trial's placement too
+        restarts = RestartCount.remote() if config.script else None
     marks = {**(marks or {}), "fit": time.time()}
-    args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=events, progress=progress,
-                      log_dir=storage.join(plan.run_dir, "logs"), cwd=None if shipped_working_dir() else os.getcwd(),
-                      restarts=restarts, marks=marks)
-    callbacks = [RestartNotices(events, plan.run_dir, config.failure.max_failures, restarts), *callbacks]
-    if config.script:
-        callbacks.append(ScriptReports(events, plan.run_dir, reported=len(history.rows())))  # --resume continues
-    trainer = torch_trainer(
-        functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args), config.scaling,
-        datasets={"train": read_train(config.data)} if config.data.engine == "ray_data" else None,
-        run_config=ray.train.RunConfig(
-            name=os.path.basename(plan.run_dir),
-            storage_path=os.path.dirname(plan.run_dir),
-            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
-            callbacks=callbacks,
-            checkpoint_config=ray.train.CheckpointConfig(  # a script's checkpoints: the newest are kept
-                num_to_keep=config.checkpoint.keep,
-                checkpoint_score_attribute=None if config.script else config.checkpoint.metric,
-                checkpoint_score_order="max" if config.script else config.checkpoint.mode,
-            ),
-        ),
-    )
+    args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=sent_to, progress=progress,
+                      log_dir=storage.join(plan.run_dir, "logs"),
+                      cwd=None if not plan.local and shipped_working_dir() else os.getcwd(),
+                      restarts=restarts, marks=marks, local=plan.local)
     listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
                              storage.join(plan.run_dir, "startup.json"))
     listener.start()
     try:
-        result = _fit(trainer, listener, events, restarts, config, plan.run_dir)
+        if plan.local:
+            final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo)
+        else:
+            final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
-            raise TrainingFailed(_nonfinite_message(listener.nonfinite, result.checkpoint))
+            raise TrainingFailed(_nonfinite_message(listener.nonfinite, final))
     except BaseException as e:
         ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         with suppress(Exception):  # neither may hide why the run ended
@@ -120,10 +114,53 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
         metrics=history.rows(),
         best_checkpoint=best_uri,
         best_metrics=best_metrics,
-        final_checkpoint=storage.checkpoint_uri(plan.run_dir, result.checkpoint) if result.checkpoint else None,
+        final_checkpoint=final,
         stopped_early=listener.stopped_early,
         wall_s=time.time() - marks.get("start", marks["fit"]),  # the caller's start: the command's time
     )
+
+
+def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "EventListener",
+                history: rundir.MetricsLog, callbacks: Sequence[UserCallback]) -> Optional[str]:
+    """Ray Train runs the loop on the cluster's workers; returns the final checkpoint's URI."""
+    callbacks = [RestartNotices(args.events, run_dir, config.failure.max_failures, args.restarts), *callbacks]
+    if config.script:
+        callbacks.append(ScriptReports(args.events, run_dir, reported=len(history.rows())))  # --resume continues
+    trainer = torch_trainer(
+        functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args), config.scaling,
+        datasets={"train": read_train(config.data)} if config.data.engine == "ray_data" else None,
+        run_config=ray.train.RunConfig(
+            name=os.path.basename(run_dir),
+            storage_path=os.path.dirname(run_dir),
+            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            callbacks=callbacks,
+            checkpoint_config=ray.train.CheckpointConfig(  # a script's checkpoints: the newest are kept
+                num_to_keep=config.checkpoint.keep,
+                checkpoint_score_attribute=None if config.script else config.checkpoint.metric,
+                checkpoint_score_order="max" if config.script else config.checkpoint.mode,
+            ),
+        ),
+    )
+    result = _fit(trainer, listener, args.events, args.restarts, config, run_dir)
+    return storage.checkpoint_uri(run_dir, result.checkpoint) if result.checkpoint else None
+
+
+def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str, listener: "EventListener",
+                 echo) -> Optional[str]:
+    """Ray Train's local mode runs the loop here (see `local.py`); returns the final checkpoint's URI."""
+    def restarting(message: str) -> None:
+        echo(f"warning: {message}")
+        rundir.record_restart(run_dir, "restart", message.split("; restarting")[0])
+
+    try:
+        local.run(args, config, log_dir, lambda: snapshot.latest(run_dir), restarting)
+    except CheckpointNotWritten as e:
+        raise TrainingFailed(_unwritten(e, run_dir)) from None
+    finally:
+        listener.stop()
+        if isinstance(listener.events, local.Inbox):
+            listener.events.close()
+    return snapshot.latest(run_dir)
 
 
 def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restarts, config: JobConfig,
@@ -202,14 +239,14 @@ class EventListener(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            with suppress(Empty, ray.exceptions.RayError):  # nothing queued within 0.2 s
+            with suppress(queue.Empty, ray.exceptions.RayError):  # nothing queued within 0.2 s
                 self._handle(*self.events.get(timeout=0.2))
 
     def stop(self) -> None:
         """Stop listening, then handle what is still queued (the last epoch's event may be)."""
         self._stop_event.set()
         self.join()
-        with suppress(Empty, ray.exceptions.RayError):  # drained
+        with suppress(queue.Empty, ray.exceptions.RayError):  # drained
             while True:
                 self._handle(*self.events.get_nowait())
         self.progress.close()
@@ -300,6 +337,15 @@ class ScriptReports(UserCallback):
         self.events.put(("report", row))
 
 
+def _unwritten(e: CheckpointNotWritten, run_dir: str) -> str:
+    """A full disk: what was not written, and what is safe."""
+    rundir.remove_partial(run_dir)
+    good = rundir.kept(run_dir)
+    then = (f"the last good checkpoint is step {good[-1].step}: free space and --resume" if good else
+            "no checkpoint was written before it: free space and start again")
+    return f"{e}; {then}"
+
+
 def _nonfinite_message(where: dict, latest) -> str:
     then = ("the latest checkpoint is the last good one: lower optimizer.lr and --resume" if latest else
             "no checkpoint was saved before it: lower optimizer.lr and start again")
@@ -327,12 +373,8 @@ def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,
     if failures and all(isinstance(e, UserError) for e in failures.values()):
         return UserError(last_line(next(iter(failures.values()))))
     unwritten = [e for e in failures.values() if isinstance(e, CheckpointNotWritten)]
-    if unwritten and run_dir:  # a full disk: what was not written, and what is safe
-        rundir.remove_partial(run_dir)
-        good = rundir.kept(run_dir)
-        then = (f"the last good checkpoint is step {good[-1].step}: free space and --resume" if good else
-                "no checkpoint was written before it: free space and start again")
-        return TrainingFailed(f"{unwritten[0]}; {then}")
+    if unwritten and run_dir:
+        return TrainingFailed(_unwritten(unwritten[0], run_dir))
     if not failures:
         return TrainingFailed(describe(getattr(error, "controller_failure", error)))
     # A rank whose process died is the cause; its peers' Gloo/NCCL connection errors follow from it.

@@ -97,6 +97,7 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
         # CPU workers take a node's CPUs in equal parts, so exactly `per_node` fit on each node.
         "cpus_per_worker": config.scaling.cpus_per_worker if gpus else float(cpus // per_node),
         "placement": profile.placement,
+        "local": False,  # the job trains on the cluster's Ray, never in local mode
     }
     warnings = [f"--set scaling.{key}={getattr(config.scaling, key)!r} is replaced by the cluster's shape "
                 f"({shape}): {key} is {value!r}" for key, value in scaling.items()

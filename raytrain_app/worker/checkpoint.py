@@ -2,7 +2,7 @@
 
 Rank 0 writes the state every rank shares (`state.pt`); every rank writes what it alone holds
 (`rank{N}.pt`); see `state.py` for what is in them. Ray Train merges the ranks' files into one
-checkpoint directory on the run's storage and keeps the best K.
+checkpoint directory on the run's storage and keeps the best K (in local mode, `commit` does).
 
 Under FSDP/HSDP no rank holds the whole model, so the weights and optimizer state go instead
 into `shards/` through `torch.distributed.checkpoint` (DCP): each rank writes its own shards
@@ -17,6 +17,7 @@ good one. Everything is loaded with `weights_only=True`, so a checkpoint cannot 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import os
 import posixpath
@@ -28,7 +29,9 @@ import pyarrow.fs as pafs
 import torch
 
 from raytrain_app import rundir, storage
+from raytrain_app.config.sections import CheckpointConfig
 from raytrain_app.errors import UserError
+from raytrain_app.rundir import snapshot
 from raytrain_app.rundir.layout import SHARDS, STATE_FILE
 from raytrain_app.worker.state import TrainState
 
@@ -54,6 +57,21 @@ def save(directory: str, rank: int, state: TrainState, about: dict) -> None:
         # Where in training it was taken, readable without torch: which checkpoint is best needs only this.
         rundir.write_position(directory, state.epoch, state.step, state.batch)
     _write(directory, f"rank{rank}.pt", state.rank_state_dict())
+
+
+def commit(staged: str, run_dir: str, rank: int, metrics: dict, c: CheckpointConfig, device: torch.device) -> None:
+    """Local mode's part of what Ray Train does with a reported checkpoint: every rank copies its
+    staged files into one new directory of the run (named, as Ray names them, by rank 0's clock),
+    and once all have, rank 0 indexes it and drops the worst past `checkpoint.keep`."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    name = [datetime.datetime.now().strftime("checkpoint_%Y-%m-%d_%H-%M-%S.%f")]
+    if distributed:
+        dist.broadcast_object_list(name, src=0, device=device if device.type == "cuda" else None)
+    storage.upload(staged, storage.join(run_dir, name[0]))
+    if _everywhere(True, device) and rank == 0:  # a barrier: every rank's part is in
+        snapshot.add(run_dir, name[0], metrics, c.metric, c.mode, c.keep)
 
 
 def restore_latest_good(latest, state: TrainState, rank: int, device: torch.device, run_dir: str,

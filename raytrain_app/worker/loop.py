@@ -18,6 +18,7 @@ import errno
 import os
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -47,6 +48,7 @@ from raytrain_app.data.preprocess import recipe
 from raytrain_app.distributed import global_max
 from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.models import build_model, places_itself
+from raytrain_app.rundir import snapshot
 from raytrain_app.tasks import build_task, model_outputs
 from raytrain_app.tasks.base import Task
 from raytrain_app.tasks.supervised import Classification, class_weights
@@ -73,6 +75,7 @@ class WorkerArgs:
     cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
     restarts: Any = None  # a script run's script.RestartCount actor
     marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
+    local: bool = False  # Ray Train's local mode: no controller keeps checkpoints, the loop does (driver/local.py)
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
@@ -86,11 +89,11 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     report = Reporter(args.events, rank, args.log_dir, args.progress)
-    node = ray.get_runtime_context().get_node_id()
+    node = socket.gethostname() if args.local else ray.get_runtime_context().get_node_id()
     report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
     try:
         _run(Worker(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
-                    {**(args.marks or {}), "loop": entered}))
+                    {**(args.marks or {}), "loop": entered}, args.local))
     except BaseException:
         report.failed()
         raise
@@ -105,10 +108,19 @@ class Worker:
     run_dir: str
     rank: int
     world_size: int
-    node: str  # Ray's node id, for the mesh's host grouping
+    node: str  # Ray's node id (local mode: the host's name), for the mesh's host grouping
     device: torch.device
     report: Reporter  # this rank's log, and the events the driver's console shows
     marks: dict  # start-up times so far (wall clock), for the first step's breakdown
+    local: bool = False  # see WorkerArgs.local
+
+    def latest_checkpoint(self) -> Optional[ray.train.Checkpoint]:
+        """Where training continues from: what Ray Train hands a (re)started group, or in local
+        mode the newest checkpoint of the run's own index (a restarted launch starts afresh)."""
+        if not self.local:
+            return ray.train.get_checkpoint()
+        latest = snapshot.latest(self.run_dir)
+        return ray.train.Checkpoint(latest) if latest else None
 
 
 def _run(w: Worker) -> None:
@@ -162,9 +174,9 @@ def _run(w: Worker) -> None:
     about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs,
              "preprocess": preprocess, "layout": layout,
              "class_weights": task.weight.tolist() if classification and task.weight is not None else None}
-    if ray.train.get_checkpoint():
-        restored, saved_layout = checkpoint.restore_latest_good(ray.train.get_checkpoint(), state, rank, device,
-                                                                run_dir, report.warn)
+    latest = w.latest_checkpoint()
+    if latest:
+        restored, saved_layout = checkpoint.restore_latest_good(latest, state, rank, device, run_dir, report.warn)
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
         extended = extend_schedule(optimizer, state.scheduler, steps_per_epoch, tc.epochs, job.schedule.on_extend)
         if extended:
@@ -172,8 +184,7 @@ def _run(w: Worker) -> None:
         for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0):
             report.warn(warning)
     trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
-    after_step = AfterStep(job, about, rank, run_dir, step.loss_check, report, trackers,
-                           {**w.marks, "ready": time.time()})
+    after_step = AfterStep(job, about, w, step.loss_check, trackers, {**w.marks, "ready": time.time()})
 
     try:
         for epoch in range(state.epoch, tc.epochs):
@@ -193,7 +204,7 @@ def _run(w: Worker) -> None:
             # The same decision on every rank: it reads all-reduced metrics.
             stop = state.early_stopping.update(metrics) if state.early_stopping else None
             save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
-            report_to_ray(metrics, state, rank, about if save else None, run_dir)
+            report_to_ray(metrics, state, w, about if save else None)
             report.epoch(metrics)
             trackers.epoch(metrics)
             if stop:
@@ -324,10 +335,10 @@ class AfterStep:
     (at a fresh run's first step), the trackers get their step-level point, and every
     `checkpoint.every_steps` steps a mid-epoch checkpoint records the position within the epoch."""
 
-    def __init__(self, job: JobConfig, about: dict, rank: int, run_dir: str, loss_check: LossCheck,
-                 report: Reporter, trackers: Trackers, marks: dict):
-        self.job, self.about, self.rank, self.run_dir = job, about, rank, run_dir
-        self.loss_check, self.report = loss_check, report
+    def __init__(self, job: JobConfig, about: dict, worker: Worker, loss_check: LossCheck, trackers: Trackers,
+                 marks: dict):
+        self.job, self.about, self.worker = job, about, worker
+        self.loss_check, self.report = loss_check, worker.report
         self.trackers, self.marks = trackers, marks
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
@@ -342,26 +353,30 @@ class AfterStep:
             # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
             c = self.job.checkpoint
             report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
-                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.rank, self.about, self.run_dir)
+                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.worker, self.about)
 
 
-def report_to_ray(metrics: dict, state: TrainState, rank: int, about: Optional[dict], run_dir: str) -> None:
+def report_to_ray(metrics: dict, state: TrainState, w: Worker, about: Optional[dict]) -> None:
     """Report to Ray Train, with a checkpoint of `state` (and `about` it) when `about` is given:
-    every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint.
-    A write that fails (a full disk) is said as such, with the space left, not as Ray's copy error."""
+    every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint
+    (in local mode, `checkpoint.commit` does). A write that fails (a full disk) is said as such,
+    with the space left, not as Ray's copy error."""
     if about is None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as directory:
         try:
-            checkpoint.save(directory, rank, state, about)
+            checkpoint.save(directory, w.rank, state, about)
         except OSError as e:
             raise CheckpointNotWritten(state.step, f"this worker's staging folder {directory}",
                                        _write_error(e, directory)) from None
         try:
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+            if w.local:
+                checkpoint.commit(directory, w.run_dir, w.rank, metrics, w.job.checkpoint, w.device)
+            else:
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
         except OSError as e:
-            raise CheckpointNotWritten(state.step, run_dir, _write_error(e, run_dir)) from None
+            raise CheckpointNotWritten(state.step, w.run_dir, _write_error(e, w.run_dir)) from None
 
 
 def _write_error(e: OSError, where: str) -> str:

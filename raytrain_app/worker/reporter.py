@@ -4,7 +4,8 @@ Every rank writes `logs/rank-N.log` in the run directory. On object storage a wo
 append to a remote file, so it writes a local copy and uploads it after every report and when it
 fails; a restarted worker first takes the uploaded log back, so a run keeps one log per rank.
 
-Rank 0 alone sends console events through a Ray queue that the driver drains: start-up marks,
+Rank 0 alone sends console events through a Ray queue that the driver drains (in local mode, a
+queue or a loopback connection): start-up marks,
 notices, progress within an epoch, epoch metrics, a stop at a non-finite loss, or the lines a
 script prints.
 """
@@ -63,7 +64,7 @@ class Reporter:
         self.file.stream.write(line + "\n")
         self.file.flush()
         if self.rank == 0:
-            put_nowait(self.events, ("output", line))
+            self._send_nowait(("output", line))
 
     def startup(self, marks: dict) -> None:
         self._send("startup", marks)
@@ -104,10 +105,16 @@ class Reporter:
             now = time.monotonic()
             if now - last >= PROGRESS_INTERVAL_S or done == total:
                 last = now
-                put_nowait(self.events, ("progress", (epoch + 1, done, total)))
+                self._send_nowait(("progress", (epoch + 1, done, total)))
 
         return report
 
     def _send(self, kind: str, payload) -> None:
         if self.rank == 0:
             self.events.put((kind, payload))
+
+    def _send_nowait(self, item) -> None:
+        if hasattr(self.events, "actor"):  # a Ray queue, whose own put_nowait waits for the actor's answer
+            put_nowait(self.events, item)
+        else:
+            self.events.put_nowait(item)

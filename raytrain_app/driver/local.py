@@ -1,0 +1,222 @@
+"""Local mode: the same worker loop on this machine with no Ray cluster, through Ray Train's own
+local mode (`ScalingConfig(num_workers=0)`).
+
+Why: on one machine a Ray cluster's start-up (eight Python processes before the first step) is
+most of a short run's time. In local mode one worker runs in this process, and N workers run as
+N processes that torch's elastic launcher (torchrun, as a library) starts and joins in a process
+group (see `worker/local.py`); each runs the Ray Train function with `ray.train.get_context()`
+and `report()` working, and `worker/checkpoint.commit` does what Ray Train's controller does
+with checkpoints.
+
+What it cannot do is decided in `choose`: Ray Data, a script (it talks to Ray Train's
+controller), another node, more than one whole GPU per worker.
+
+Restarts: after a failure the group starts again from the latest checkpoint, up to
+`failure.max_failures` times, each in a fresh launch. torchrun's own `--max-restarts` reuses its
+rendezvous store, and with torch 2.14's Gloo the restarted group then dials the old group's
+addresses ("connectFullMesh failed ... Connection refused", with plain `torchrun` too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager, suppress
+from multiprocessing.connection import Listener
+from typing import Callable, Optional
+
+from raytrain_app.cluster.session import running_local_cluster
+from raytrain_app.config import JobConfig
+from raytrain_app.errors import CheckpointNotWritten, TrainingFailed, UserError, last_line
+from raytrain_app.worker import local as worker
+from raytrain_app.worker.loop import WorkerArgs
+
+
+def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connected: bool) -> bool:
+    """Whether the run goes through local mode: as `scaling.local` says, and where it says auto,
+    whenever nothing Ray brings is asked for and no local cluster is up to join. Asked for by
+    name, what it cannot do is refused."""
+    s = config.scaling
+    cannot = [reason for given, reason in (
+        (bool(config.script), "a script runs under Ray Train's controller"),
+        (config.data.engine == "ray_data", "data.engine ray_data needs a Ray cluster"),
+        (bool(address) or ray_connected or min_nodes > 1, "--address and --min-nodes join a Ray cluster"),
+        (s.gpus_per_worker not in (0, 1), f"gpus_per_worker {s.gpus_per_worker:g}: local mode gives each worker "
+                                          "one whole GPU or none"),
+    ) if given]
+    if s.local is True and cannot:
+        raise UserError(f"--local (scaling.local: true): {cannot[0]}; drop --local, or what needs Ray")
+    if s.local == "auto":  # a cluster that `cluster up` started for this was started to be used
+        return not (cannot or os.environ.get("RAY_ADDRESS")
+                    or running_local_cluster(s.workers, s.cpus_per_worker, s.gpus_per_worker))
+    return s.local
+
+
+def fresh_events(workers: int):
+    """(the driver's end, the workers' end) of the channel rank 0's console events take: a queue
+    for the worker in this process, an inbox on loopback for worker processes."""
+    if workers == 1:
+        events = queue.Queue()
+        return events, events
+    inbox = Inbox()
+    return inbox, inbox.outbox
+
+
+class Inbox:
+    """The driver's end: what rank 0 sends, read as from a queue (`get` with a timeout)."""
+
+    def __init__(self):
+        self._authkey = secrets.token_bytes(32)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self._items: queue.Queue = queue.Queue()
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    @property
+    def outbox(self) -> worker.Outbox:
+        return worker.Outbox(self._listener.address, self._authkey)
+
+    def get(self, timeout: float):
+        return self._items.get(timeout=timeout)
+
+    def get_nowait(self):
+        return self._items.get_nowait()
+
+    def _receive(self) -> None:
+        while True:  # one connection per rank 0 (a restarted group's rank 0 opens another)
+            try:
+                connection = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._drain, args=(connection,), daemon=True).start()
+
+    def _drain(self, connection) -> None:
+        with suppress(EOFError, OSError):
+            while True:
+                self._items.put(connection.recv())
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], Optional[str]],
+        on_restart: Callable[[str], None]) -> None:
+    """Train, restarting the whole group from the latest checkpoint after a failure, up to
+    `failure.max_failures` times; raises TrainingFailed with the last failure after that. Worker
+    processes' own output goes to `log_dir`/local/launch-N/attempt_0/RANK/, as Ray's goes to its logs."""
+    limit = config.failure.max_failures
+    failures = 0
+    while True:
+        try:
+            with _worker_environment(config.scaling):
+                if config.scaling.workers == 1:
+                    worker.train(args)
+                else:
+                    _launch(args, config.scaling.workers, os.path.join(log_dir, "local"), f"launch-{failures + 1}")
+            return
+        except (KeyboardInterrupt, UserError):
+            raise
+        except Exception as e:  # noqa: BLE001 - any worker failure is a restart, as under Ray Train
+            failures += 1
+            why = _reason(e)
+            if limit != -1 and failures > limit:
+                if config.scaling.workers == 1:
+                    raise  # the worker's own exception (a full disk says what it could not write)
+                unwritten = _UNWRITTEN.search(why)  # a worker process's, as its last line said it
+                if unwritten:
+                    raise CheckpointNotWritten(int(unwritten["step"]), unwritten["where"], unwritten["cause"]) from None
+                raise TrainingFailed(why) from None
+            on_restart(f"{why}; restarting from {latest() or 'the start'} "
+                       f"(restart {failures} of {'unlimited' if limit == -1 else limit})")
+
+
+def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
+    """N fresh interpreters through torch's elastic launcher, as `torchrun --standalone` starts them."""
+    from ray import cloudpickle
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix="raytrain-local-") as scratch, _quiet_launcher():
+        # The launcher's files (each rank's output, and the error file it reads back to say why a
+        # rank failed) start in scratch space: on a full run directory they could not be written.
+        logs = os.path.join(scratch, "logs")
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=name, rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                              logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL))
+        arguments = os.path.join(scratch, "worker-args.pkl")  # private to this user: it holds the inbox's key
+        with open(arguments, "wb") as f:
+            cloudpickle.dump(args, f)
+        try:
+            elastic_launch(config, sys.executable)("-m", worker.__name__, arguments)
+        except SignalException as e:  # the launcher's word for a signal: Ctrl-C, or a scheduler's SIGTERM
+            if e.sigval in (signal.SIGINT, signal.SIGTERM):
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            with suppress(OSError):  # kept where they can be; never the run's outcome
+                shutil.copytree(logs, log_dir, dirs_exist_ok=True)
+
+
+# CheckpointNotWritten's words, read back from a worker process's last line.
+_UNWRITTEN = re.compile(r"checkpoint at step (?P<step>\d+) could not be written to (?P<where>\S+): (?P<cause>.+)$")
+
+
+def _reason(e: Exception) -> str:
+    """Which rank failed first, where, and its last error line (its peers' broken collectives
+    follow from it): from the launcher's report of the worker processes, or the in-process
+    worker's own exception."""
+    host = socket.gethostname()
+    if not hasattr(e, "get_first_failure"):  # not torch's ChildFailedError: the worker in this process
+        return f"rank 0 on node {host} (pid {os.getpid()}): {last_line(e)}"
+    rank, failure = e.get_first_failure()
+    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    lines = [line for line in message.strip().splitlines() if line.strip() and "To enable traceback" not in line]
+    code = failure.exitcode
+    what = (f"worker process died: killed by {signal.Signals(-code).name}" if code < 0 else
+            lines[-1] if lines else f"worker process died: exit code {code}")
+    return f"rank {rank} on node {host} (pid {failure.pid}): {what}"
+
+
+@contextmanager
+def _quiet_launcher():
+    """The launcher's own account of a failure (its log lines) is said in one line by `_reason`."""
+    launcher = logging.getLogger("torch.distributed.elastic")
+    before = launcher.level
+    launcher.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        launcher.setLevel(before)
+
+
+@contextmanager
+def _worker_environment(scaling):
+    """Each worker computes on as many threads as Ray would give it (its CPUs): the same numbers
+    under both, and N workers that do not fight over the cores. Workers given no GPU see none:
+    Ray Train's local mode would take a GPU it finds (and NCCL with it)."""
+    import torch
+
+    threads = max(1, int(scaling.cpus_per_worker))
+    settings = {"OMP_NUM_THREADS": str(threads), **({"CUDA_VISIBLE_DEVICES": ""} if not scaling.gpus_per_worker
+                                                     else {})}
+    before_env, before = {k: os.environ.get(k) for k in settings}, torch.get_num_threads()
+    os.environ.update(settings)  # the worker processes' (torch reads them when it loads)
+    torch.set_num_threads(threads)  # this process's: the one in-process worker
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        for key, value in before_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

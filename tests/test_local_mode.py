@@ -1,0 +1,151 @@
+"""Local mode (Ray Train's `num_workers=0`, with torch's launcher for more than one worker)
+against the same job on the real Ray cluster: bitwise the same weights, a killed worker process
+restarted and resumed bitwise, runs that one mode starts and the other resumes, Ctrl-C and a
+scheduler's SIGTERM, and what local mode refuses."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from raytrain_app.api import fit
+from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.trainer import run_training
+from raytrain_app.errors import TrainingFailed, UserError
+from raytrain_app.worker import checkpoint
+from tests.conftest import REPO, running
+from tests.helpers import write_parquet
+from tests.test_distributed import final_weights, job
+from tests.test_reliability import faulty, step_checkpointed
+from tests.test_shutdown import descendants
+
+NUMBERS = ("epoch", "step", "train_loss", "eval_loss", "eval_accuracy", "eval_samples", "world_size", "lr")
+
+
+def trained(config, run_dir, local: bool, resume=False, lines=None):
+    return run_training(make_plan(config, run_dir=str(run_dir), resume=resume, local=local),
+                        echo=(lines if lines is not None else []).append)
+
+
+def same_run(a, b) -> None:
+    """Bitwise the same weights, and the same numbers in every epoch's row."""
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [{k: r[k] for k in NUMBERS} for r in a.metrics] == [{k: r[k] for k in NUMBERS} for r in b.metrics]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_local_mode_trains_bitwise_what_ray_train_trains(ray_cluster, tmp_path, workers):
+    """On Ray because Ray is the reference: the same job, seed and CPU threads under both."""
+    config = job(data={"name": "digits"}, scaling={"workers": workers}, checkpoint={"every_steps": 7, "keep": 2})
+    local, on_ray = trained(config, tmp_path / "local", True), trained(config, tmp_path / "ray", False)
+    same_run(local, on_ray)
+    # The same checkpoints kept by the same rule: the best two by the metric and the latest, named alike.
+    names = [sorted(p.name for p in (tmp_path / mode).glob("checkpoint_*") if p.is_dir()) for mode in ("local", "ray")]
+    kept = [[r["metrics"]["step"] for r in json.loads((tmp_path / mode / "checkpoint_manager_snapshot.json")
+                                                      .read_text())["checkpoint_results"]] for mode in ("local", "ray")]
+    assert kept[0] == kept[1] and len(names[0]) == len(names[1]) == len(kept[0]) >= 2
+
+
+def test_a_killed_worker_process_restarts_the_group_and_resumes_bitwise(tmp_path):
+    """Local mode's own restart path (a fresh launch from the latest checkpoint): no Ray here."""
+    straight = trained(step_checkpointed(tmp_path / "never", "kill"), tmp_path / "straight", True)
+    marker = tmp_path / "fault"
+    marker.touch()
+    lines = []
+    killed = trained(step_checkpointed(marker, "kill"), tmp_path / "killed", True, lines=lines)
+    assert not marker.exists()  # the fault really happened
+    [notice] = [line for line in lines if line.startswith("warning:")]
+    assert re.fullmatch(r"warning: rank 1 on node \S+ \(pid \d+\): worker process died: killed by SIGKILL; "
+                        rf"restarting from {tmp_path}/killed/checkpoint_\S+ \(restart 1 of 1\)", notice), lines
+    log = (tmp_path / "killed" / "logs" / "rank-1.log").read_text()
+    step, epoch, batch = map(int, re.search(r"at step (\d+): epoch (\d+) from batch (\d+)", log).groups())
+    assert epoch == 2 and step == 35 and batch == 12  # the newest step checkpoint before call 40, mid-epoch
+    same_run(straight, killed)
+    restarts = [json.loads(line) for line in (tmp_path / "killed" / "restarts.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in restarts] == ["restart"] and "killed by SIGKILL" in restarts[0]["reason"]
+
+
+def test_a_run_started_in_one_mode_resumes_bitwise_in_the_other(ray_cluster, tmp_path):
+    """On Ray because the join is with Ray Train's own index of checkpoints, which each mode keeps
+    for the other: a crash in epoch 2 under one, `--resume` under the other."""
+    straight = trained(faulty(tmp_path / "never", 40, "crash", checkpoint={"every_steps": 5}),
+                       tmp_path / "straight", True)
+    for first, then in ((True, False), (False, True)):
+        marker = tmp_path / f"fault-{first}"
+        marker.touch()
+        config = faulty(marker, 40, "crash", checkpoint={"every_steps": 5})
+        run_dir = tmp_path / f"from-{'local' if first else 'ray'}"
+        with pytest.raises(TrainingFailed, match=r"^rank 1\b.*: RuntimeError: injected crash$"):
+            trained(config, run_dir, first)
+        marker.unlink()
+        resumed = trained(config, run_dir, then, resume=True)
+        same_run(straight, resumed)
+
+
+def test_ctrl_c_and_sigterm_stop_every_worker_process_and_leave_whole_checkpoints(tmp_path):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a terminal's Ctrl-C; a scheduler's stop
+        run_dir = tmp_path / sig.name
+        proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--local",
+                                 "--run-dir", str(run_dir), "--set", "train.epochs=500",
+                                 "--set", "checkpoint.every_epochs=1", "--set", "checkpoint.every_steps=3"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        for line in proc.stdout:
+            if re.match(r"epoch +1/500", line):
+                break
+        started = descendants(proc.pid)
+        assert len(started) >= 2  # the two worker processes
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # the terminal signals the whole foreground process group
+        else:
+            os.kill(proc.pid, sig)  # a scheduler signals the job's process
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines()[-1] == (f"interrupted: `raytrain-app train examples/digits.yaml --resume "
+                                                f"--run-dir {run_dir}` continues it"), err
+        deadline = time.monotonic() + 30
+        while [p for p in started if running(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in started if running(p)]
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+        assert not list(run_dir.rglob("*.tmp"))
+        kept = sorted(d for d in run_dir.glob("checkpoint_*") if d.is_dir())
+        assert kept and all(checkpoint.verify(str(d), r) is None for d in kept for r in (0, 1))
+
+
+def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    write_parquet(tmp_path / "rows.parquet", n=64)
+    write_parquet(tmp_path / "eval.parquet", n=16)
+    ray_data = job(data={"name": "parquet", "engine": "ray_data", "args": {"path": str(tmp_path / "rows.parquet"),
+                                                                           "eval_path": str(tmp_path / "eval.parquet")}})
+    refusals = {
+        "data.engine ray_data needs a Ray cluster": (ray_data, {}),
+        "--address and --min-nodes join a Ray cluster": (job(), dict(address="127.0.0.1:1")),
+        "gpus_per_worker 0.5: local mode gives each worker one whole GPU or none": (job(), dict(gpus_per_worker=0.5)),
+        "a script runs under Ray Train's controller": ("tests/scripts/tutorial_ddp.py", {}),
+    }
+    for reason, (config, given) in refusals.items():
+        start = time.monotonic()
+        with pytest.raises(UserError) as refused:
+            fit(config, local=True, run_dir=str(tmp_path / "never"), **given)
+        assert str(refused.value) == f"--local (scaling.local: true): {reason}; drop --local, or what needs Ray"
+        assert time.monotonic() - start < 5
+    assert not (tmp_path / "never").exists()
+
+    from raytrain_app.driver.local import choose
+
+    assert choose(job(), None, 1, ray_connected=False)
+    assert not choose(job(), "auto", 1, ray_connected=False)
+    assert not choose(job(), None, 1, ray_connected=True)  # a notebook's ray.init(): train there
+    assert not choose(ray_data, None, 1, ray_connected=False)
+    assert not choose(job(scaling={"local": False}), None, 1, ray_connected=False)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside a Ray job
+    assert not choose(job(), None, 1, ray_connected=False)
