@@ -15,6 +15,19 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Modules whose every test runs Ray itself (a cluster of its own, the Jobs API, SLURM's Ray, Tune,
+# Ray Data, a script under Ray Train's controller); elsewhere a test that needs Ray asks for the
+# session's cluster (`ray_cluster`). Both are marked `ray`: `pytest -m "not ray"` runs the rest.
+RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test_two_hosts", "test_local_clusters",
+               "test_raydata", "test_scripts", "test_rayinternals"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "ray_cluster" in item.fixturenames or item.module.__name__.rsplit(".", 1)[-1] in RAY_MODULES:
+            item.add_marker(pytest.mark.ray)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def running_clusters(tmp_path_factory):
     """`train` joins local clusters that `cluster up` recorded here: the tests' own, never a user's."""

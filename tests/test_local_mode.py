@@ -124,8 +124,8 @@ def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_pat
     monkeypatch.chdir(REPO)
     write_parquet(tmp_path / "rows.parquet", n=64)
     write_parquet(tmp_path / "eval.parquet", n=16)
-    ray_data = job(data={"name": "parquet", "engine": "ray_data", "args": {"path": str(tmp_path / "rows.parquet"),
-                                                                           "eval_path": str(tmp_path / "eval.parquet")}})
+    files = {"path": str(tmp_path / "rows.parquet"), "eval_path": str(tmp_path / "eval.parquet")}
+    ray_data = job(data={"name": "parquet", "engine": "ray_data", "args": files})
     refusals = {
         "data.engine ray_data needs a Ray cluster": (ray_data, {}),
         "--address and --min-nodes join a Ray cluster": (job(), dict(address="127.0.0.1:1")),

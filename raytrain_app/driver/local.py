@@ -49,14 +49,14 @@ def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connec
     cannot = [reason for given, reason in (
         (bool(config.script), "a script runs under Ray Train's controller"),
         (config.data.engine == "ray_data", "data.engine ray_data needs a Ray cluster"),
-        (bool(address) or ray_connected or min_nodes > 1, "--address and --min-nodes join a Ray cluster"),
+        (bool(address) or min_nodes > 1, "--address and --min-nodes join a Ray cluster"),
         (s.gpus_per_worker not in (0, 1), f"gpus_per_worker {s.gpus_per_worker:g}: local mode gives each worker "
                                           "one whole GPU or none"),
     ) if given]
     if s.local is True and cannot:
         raise UserError(f"--local (scaling.local: true): {cannot[0]}; drop --local, or what needs Ray")
-    if s.local == "auto":  # a cluster that `cluster up` started for this was started to be used
-        return not (cannot or os.environ.get("RAY_ADDRESS")
+    if s.local == "auto":  # a cluster this process joined, or that `cluster up` started, is there to be used
+        return not (cannot or ray_connected or os.environ.get("RAY_ADDRESS")
                     or running_local_cluster(s.workers, s.cpus_per_worker, s.gpus_per_worker))
     return s.local
 
@@ -128,8 +128,8 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
             failures += 1
             why = _reason(e)
             if limit != -1 and failures > limit:
-                if config.scaling.workers == 1:
-                    raise  # the worker's own exception (a full disk says what it could not write)
+                if isinstance(e, CheckpointNotWritten):  # the worker in this process's: what it could not write
+                    raise
                 unwritten = _UNWRITTEN.search(why)  # a worker process's, as its last line said it
                 if unwritten:
                     raise CheckpointNotWritten(int(unwritten["step"]), unwritten["where"], unwritten["cause"]) from None
