@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from raytrain_app.config import JobConfig, flag_overrides, load_config, with_overrides
+from raytrain_app.config import SMOKE, JobConfig, flag_overrides, load_config, with_overrides
 from raytrain_app.errors import Interrupted, UserError
 
 
@@ -19,7 +19,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
         workers: Optional[int] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
         address: Optional[str] = None, resume: Union[bool, str] = False, verbose: bool = False, progress: bool = False,
         echo: Callable[[str], None] = print, started: Optional[float] = None, script_args: Sequence[str] = (),
-        min_nodes: int = 1, node_timeout_s: float = 600, local: Optional[bool] = None):
+        min_nodes: int = 1, node_timeout_s: float = 600, local: Optional[bool] = None, smoke: bool = False):
     """Train `config` (a YAML path, "-" for standard input, a dict, or a JobConfig) and return the
     run's `Result` (run_dir, metrics per epoch, best and final checkpoint, wall time).
 
@@ -33,12 +33,19 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     as `--address` does, and a process already connected to Ray (`ray.init()` done) trains there,
     and a cluster at `address` gets `node_timeout_s` to reach `min_nodes` nodes; `echo` receives
     the console lines. `local` True runs through Ray Train's local mode with no Ray cluster, False
-    on Ray, None as `scaling.local` says (see `driver/local.py`). Raises UserError (ConfigError)
+    on Ray, None as `scaling.local` says (see `driver/local.py`). `smoke` runs a few batches of one
+    epoch through every path, as NAME-smoke (see `config.SMOKE`). Raises UserError (ConfigError)
     for anything the user can fix, TrainingFailed when training started and did not finish.
     """
     marks = {"start": started or time.time()}
-    sets = [*(overrides or ()), *flag_overrides(workers=workers, gpus_per_worker=gpus_per_worker, local=local)]
+    sets = [*(SMOKE if smoke else ()), *(overrides or ()),
+            *flag_overrides(workers=workers, gpus_per_worker=gpus_per_worker, local=local)]
     source, job = job_config(config, sets, script_args)
+    if smoke:
+        if job.script:
+            raise UserError("--smoke runs raytrain-app's own training loop, not a script: run the script with "
+                            "its own short settings")
+        job = job.model_copy(update={"name": f"{job.name}-smoke"})
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
     from raytrain_app.driver import local as local_mode

@@ -24,6 +24,7 @@ from tests.helpers import write_parquet
 from tests.test_distributed import final_weights, job
 from tests.test_reliability import faulty, step_checkpointed
 from tests.test_shutdown import descendants
+from tests.test_submit import write_profile
 
 NUMBERS = ("epoch", "step", "train_loss", "eval_loss", "eval_accuracy", "eval_samples", "world_size", "lr")
 
@@ -149,3 +150,36 @@ def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_pat
     assert not choose(job(scaling={"local": False}), None, 1, ray_connected=False)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside a Ray job
     assert not choose(job(), None, 1, ray_connected=False)
+
+
+def test_smoke_runs_every_path_of_one_short_epoch_and_runs_shows_it(tmp_path):
+    """`train --smoke`: a few batches of one epoch, a step checkpoint and the epoch's, evaluation,
+    report.png, no tracker; `runs` marks it. `submit --smoke` runs it first, and a smoke run
+    that fails sends nothing."""
+    digits = f"{REPO}/examples/digits.yaml"
+    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "train", digits, "--smoke",
+                           "--set", "train.eval_batch_size=64"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("digits-smoke-")
+    [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["epoch"] == 1 and row["step"] == 3  # 3 batches of the 23 an epoch has per worker
+    assert row["eval_samples"] == 2 * 2 * 64  # 2 of each worker's 3 eval batches
+    index = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    assert [r["metrics"]["step"] for r in index["checkpoint_results"]] == [2, 3]  # mid-epoch at step 2, then the end
+    assert (run_dir / "report.png").exists() and not (run_dir / "tensorboard").exists()
+    listed = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "runs"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert re.search(rf"^{run_dir.name} .* finished \(smoke\)$", listed.stdout, re.M), listed.stdout
+
+    profile = write_profile(tmp_path / "p.yaml")
+    sent = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", digits, "--cluster", profile,
+                           "--smoke", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert sent.returncode == 0, sent.stderr
+    assert re.search(r"^smoke run passed \(\S+/runs/digits-smoke-\S+\): submitting$", sent.stdout, re.M)
+    assert "train - --address auto" in sent.stdout  # then the plan, as --dry-run shows it
+    broken = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", digits, "--cluster", profile,
+                             "--smoke", "--dry-run", "--set", "train.batch_size=100000"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert broken.returncode != 0 and "smoke run passed" not in broken.stdout and "entrypoint" not in broken.stdout

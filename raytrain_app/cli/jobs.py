@@ -69,9 +69,11 @@ DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the plan and submi
 
 @main.command()
 @_job_on_cluster
+@click.option("--smoke", is_flag=True, help="First run the job's smoke run here (train --smoke, in local mode), "
+                                            "and submit only if it passes.")
 @FOLLOW
 @DRY_RUN
-def submit(follow, dry_run, **job):
+def submit(follow, dry_run, smoke, **job):
     """Submit CONFIG as a job to the cluster described by PROFILE: a Ray job, or under a SLURM
     profile an sbatch job that starts Ray in its allocation.
 
@@ -89,7 +91,14 @@ def submit(follow, dry_run, **job):
         engine = engine_of(profile)
         if not dry_run:
             engine.check_ready()
-        send(engine, placed(profile, **job), follow, dry_run)
+        planned = placed(profile, **job)
+        if smoke:
+            from raytrain_app.api import fit
+
+            tried = fit(job["config_file"], overrides=job["overrides"], script_args=job["script_args"], smoke=True,
+                        local=True, echo=click.echo)
+            click.echo(f"smoke run passed ({tried.run_dir}): submitting")
+        send(engine, planned, follow, dry_run)
 
 
 def send(engine, sub, follow: bool, dry_run: bool) -> None:

@@ -44,13 +44,16 @@ from raytrain_app.errors import UserError
 @MIN_NODES
 @NODE_TIMEOUT
 @MAX_FAILURES
+@click.option("--smoke", is_flag=True, help="A few batches of one epoch through every path (checkpoint, "
+                                            "evaluation, report; trackers off unless --set turns them on), into "
+                                            "runs/NAME-smoke-*: what to run before submitting.")
 @click.option("--local/--ray", "local", default=None,
               help="--local: no Ray cluster, through Ray Train's local mode (one worker in this process, more as "
                    "torchrun's processes); --ray: on a Ray cluster. Default: scaling.local (auto: local where "
                    "nothing Ray brings is asked for).")
 @VERBOSE
 def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides, max_failures, resume,
-          resume_if_any, address, min_nodes, node_timeout, local, verbose):
+          resume_if_any, address, min_nodes, node_timeout, smoke, local, verbose):
     """Train CONFIG (a YAML file, or - for standard input) on Ray.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
@@ -70,7 +73,8 @@ def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides
                      gpus_per_worker=gpus_per_worker, run_dir=run_dir, address=address,
                      resume="if_any" if resume_if_any else resume,
                      verbose=verbose, progress=sys.stdout.isatty(), echo=click.echo, started=STARTED,
-                     script_args=script_args, min_nodes=min_nodes, node_timeout_s=node_timeout, local=local)
+                     script_args=script_args, min_nodes=min_nodes, node_timeout_s=node_timeout, local=local,
+                     smoke=smoke)
         from raytrain_app.driver.result import summary
 
         click.echo(summary(result))

@@ -186,6 +186,12 @@ FLAG_KEYS = {"workers": "scaling.workers", "gpus_per_worker": "scaling.gpus_per_
              "max_failures": "failure.max_failures", "local": "scaling.local"}
 
 
+# What --smoke sets, before the user's own --set (which may turn a tracker back on): one epoch of
+# a few batches through every path (checkpoint, evaluation, report), no tracker runs to clean up.
+SMOKE = ["train.epochs=1", "train.limit_batches=3", "train.limit_eval_batches=2", "checkpoint.every_steps=2",
+         "tracking.tensorboard=false", "tracking.mlflow=null", "tracking.wandb=null"]
+
+
 def flag_overrides(**flags) -> list[str]:
     """The `--set` expressions that the CLI's shortcut flags (--workers, --gpus-per-worker,
     --max-failures, --local/--ray) stand for; flags not given (None) set nothing."""

@@ -204,6 +204,10 @@ class TrainConfig(Section):
     early_stopping: Optional[EarlyStoppingConfig] = Field(None, description="stop every rank when a metric has "
                                                                             "not improved for `patience` epochs "
                                                                             "(null: train every epoch)")
+    limit_batches: Optional[int] = Field(None, ge=1, description="train on at most this many batches per epoch "
+                                                                 "and worker (a smoke run; null: all)")
+    limit_eval_batches: Optional[int] = Field(None, ge=1, description="evaluate at most this many batches per "
+                                                                      "worker (a smoke run; null: all)")
 
 
 class StrategyConfig(Section):

@@ -230,6 +230,19 @@ def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed
     return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank, resident), sampler
 
 
+class FirstBatches:
+    """A loader cut to its first `limit` batches: a smoke run's (`train.limit_batches`)."""
+
+    def __init__(self, loader, limit: Optional[int]):
+        self.loader, self.limit = loader, limit
+
+    def __len__(self) -> int:
+        return len(self.loader) if self.limit is None else min(len(self.loader), self.limit)
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), len(self))
+
+
 def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool,
                 resident: bool = False):
     if isinstance(ds.eval, ParquetStream):

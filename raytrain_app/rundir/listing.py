@@ -63,8 +63,13 @@ def _read_run(base: str, name: str) -> Optional[RunInfo]:
         path=path, name=name, started=record.get("started", _started_from_name(name)),
         epochs_done=epochs_done, epochs=epochs,
         best="-" if script else _best(path, rows),
-        status=_status(record, epochs_done, epochs, snapshot),
+        status=_status(record, epochs_done, epochs, snapshot) + (" (smoke)" if _smoke(config) else ""),
     )
+
+
+def _smoke(config: dict) -> bool:
+    """A `--smoke` run's: it trained only the first batches of its epoch."""
+    return bool(config.get("train", {}).get("limit_batches"))
 
 
 def table(runs: list[RunInfo]) -> str:

@@ -35,6 +35,7 @@ from torch import nn
 from raytrain_app.config import JobConfig
 from raytrain_app.console import startup_phases
 from raytrain_app.data import (
+    FirstBatches,
     build_datasets,
     class_count,
     eval_loader,
@@ -151,7 +152,9 @@ def _run(w: Worker) -> None:
     pin = device.type == "cuda" and not resident
     train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident,
                                      job.data.engine)
-    eval_dl = eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident)
+    train_dl = FirstBatches(train_dl, tc.limit_batches)  # all of them, but in a smoke run
+    eval_dl = FirstBatches(eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident),
+                           tc.limit_eval_batches)
     report.info("data %s, %d loader workers; compile %s%s; %s", "on the device" if resident else
                 "from Ray Data" if job.data.engine == "ray_data" else "through a DataLoader",
                 workers, tc.compile, " with CUDA graphs" if parallel.cuda_graphs else "", parallel.describe())
