@@ -2,7 +2,8 @@
 
 Each run trains the same model on synthetic CIFAR-shaped data sized so that every worker takes
 the same number of steps per epoch (train_size = steps x batch x workers), in fp32, with one CPU
-(and so one torch thread) per worker. All runs share one embedded Ray cluster. For each worker
+(and so one torch thread) per worker. All runs share one embedded Ray cluster; then each runs
+again in local mode (`--local`: no Ray cluster, torch's launcher). For each worker
 count it prints the global samples/s (median over the epochs after the first), the scaling
 efficiency, samples/s / (workers x one worker's samples/s), and where an epoch's time goes,
 from the workers' own metrics: waiting for data, gradient all-reduce (an estimate: an upper
@@ -64,6 +65,12 @@ def main() -> None:
         for w, plan in plans.items():
             result = run_training(plan, echo=lambda *_: None)
             histories[w], walls[w] = result.metrics, result.wall_s
+    local = {}
+    for w in counts:  # the same jobs in local mode
+        plan = raytrain_plan(raytrain_job(f"scaling-{w}", args.model, args.batch, args.steps, args.epochs, w, "fp32",
+                                          "off", 0), args.overrides, os.path.join(tmp, f"local-{w}"), local=True)
+        rows = run_training(plan, echo=lambda *_: None).metrics
+        local[w] = median_after_first([row["samples_per_s"] for row in rows])
 
     def median_of(w: int, key: str):
         """Median of a metric over the epochs after the first; None where the rows do not carry it."""
@@ -78,15 +85,16 @@ def main() -> None:
         split = {k: median_of(w, k) for k in ("data_wait_frac", "comm_frac", "compute_frac")}
         efficiency = rate / (w * single)
         rows.append([str(w), f"{rate:,.0f}", f"{rate / w:,.0f}", f"{efficiency:.2f}",
-                     f"{plain[w] / (w * plain[1]):.2f}", f"{rate / plain[w]:.2f}x",
+                     f"{plain[w] / (w * plain[1]):.2f}", f"{rate / plain[w]:.2f}x", f"{local[w] / plain[w]:.2f}x",
                      *("-" if v is None else f"{v:.0%}" for v in split.values()), f"{epoch_s:.2f}", f"{walls[w]:.1f}"])
         results.append({"workers": w, "samples_per_s": rate, "efficiency": efficiency,
-                        "plain_ddp_samples_per_s": plain[w], **split,
+                        "plain_ddp_samples_per_s": plain[w], "local_mode_samples_per_s": local[w], **split,
                         "epoch_time_s": epoch_s, "wall_s": walls[w], "history": histories[w]})
 
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, Gloo; {args.model}, batch {args.batch} per worker, fp32, "
           f"{args.steps} steps per worker x {args.epochs} epochs; run dirs and logs in {tmp}")
     print_table(["workers", "samples/s", "per worker", "efficiency", "torchrun DDP efficiency", "vs torchrun DDP",
+                 "local mode vs torchrun DDP",
                  "data wait",
                  "comm (est.)", "compute",
                  "epoch s", "wall s"], rows)

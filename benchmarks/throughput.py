@@ -220,10 +220,10 @@ def raytrain_job(name: str, model: str, batch: int, steps: int, epochs: int, wor
     }
 
 
-def raytrain_plan(raw: dict, overrides: list[str], run_dir: str):
+def raytrain_plan(raw: dict, overrides: list[str], run_dir: str, local: bool = False):
     """Apply `--set` overrides and plan on the driver, before any cluster starts: a typo fails in a second."""
     try:
-        return make_plan(with_overrides(raw, overrides, "benchmark"), run_dir=run_dir, source="benchmark")
+        return make_plan(with_overrides(raw, overrides, "benchmark"), run_dir=run_dir, source="benchmark", local=local)
     except UserError as e:  # ConfigError included: a line per problem, not a traceback
         raise SystemExit("\n".join(f"error: {line}" for line in e.lines)) from None
 

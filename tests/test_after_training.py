@@ -61,7 +61,8 @@ def to_parquet(*args) -> None:
 
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
-    """The run, trained from its project folder with `data: data/train` (relative)."""
+    """The run, trained from its project folder with `data: data/train` (relative), in local mode;
+    the session's cluster is for `evaluate` and `predict`, which run on Ray by default."""
     project = tmp_path_factory.mktemp("project")
     pv.write_csv(customers(600, 0), project / "train.csv")
     pv.write_csv(customers(150, 1), project / "eval.csv")

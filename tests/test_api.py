@@ -26,6 +26,8 @@ def test_the_package_exports_exactly_the_public_api():
 
 
 def test_the_readme_example_trains_a_notebook_model_and_predicts_raw_rows(ray_cluster, tmp_path, monkeypatch):
+    """On Ray: a notebook that joined a cluster (`ray.init()`) trains there, its model function
+    pickled by value to Ray's workers."""
     monkeypatch.chdir(tmp_path)  # its runs/ go here
     namespace = {"__name__": "__main__"}  # as in a notebook: the model function is pickled by value
     exec(compile(readme_example(), "README.md", "exec"), namespace)

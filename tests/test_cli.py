@@ -105,8 +105,9 @@ def test_a_run_leaves_its_pictures_and_tensorboard_curves(digits_run, tmp_path):
 
 
 def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_cluster, tmp_path):
-    """Through the library, on the session's cluster (the commands are one call each; their
-    errors go through the command below and in test_bad_input)."""
+    """Through the library, on the session's cluster (Ray is evaluate's and predict's default; the
+    commands are one call each; their errors go through the command below and in
+    test_bad_input); then `--local`, which must give the same answers."""
     from raytrain_app.inference import scoring
 
     run_dir, _ = digits_run
@@ -137,6 +138,20 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_clust
     correct = (preds.column("prediction").to_numpy() == y_eval.numpy()).mean()
     assert correct == last["eval_accuracy"]
     assert all(0.1 <= p <= 1 for p in preds.column("probability").to_pylist())
+
+    # In local mode, through the commands: no cluster, the same numbers, the same predictions.
+    local = cli("evaluate", str(run_dir), "--checkpoint", "latest", "--local")
+    assert local.returncode == 0 and local.stdout.startswith("evaluating checkpoint_") and \
+        ": 1 worker, local mode\n" in local.stdout, local.stderr
+    assert json.loads(written.read_text())["metrics"] == metrics  # rewritten, the same
+    assert re.search(rf"^eval_accuracy +{metrics['eval_accuracy']:.6g}$", local.stdout, re.M)
+    local = cli("predict", str(run_dir), "--checkpoint", "latest", "--local", "--input", str(tmp_path / "new.parquet"),
+                "--output", str(tmp_path / "local.parquet"))
+    assert local.returncode == 0 and f"{len(y_eval)} predictions in" in local.stdout, local.stderr
+    assert pq.read_table(tmp_path / "local.parquet").equals(preds)
+    refused = forked("evaluate", str(run_dir), "--local", "--workers", "2")
+    assert refused.returncode == 2 and refused.stderr.strip() == ("error: --local runs one worker in this process: "
+                                                                  "drop --workers and --address, or --local")
 
     # Rows that do not fit the model: one line, exit 2, before Ray starts.
     pq.write_table(pa.table({"pixels": [[0.0] * 64]}), tmp_path / "wrong.parquet")

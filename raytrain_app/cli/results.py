@@ -14,6 +14,8 @@ CHECKPOINT = click.option("--checkpoint", "which", metavar="best|latest|NAME",
 
 ADDRESS = click.option("--address", help="Run on the cluster at this GCS address (as for train); default: the "
                                          "cluster train would use.")
+LOCAL = click.option("--local", is_flag=True, help="One worker in this process, through Ray Train's local mode: "
+                                                   "no Ray cluster (the answer in seconds).")
 
 
 @main.command()
@@ -25,8 +27,9 @@ ADDRESS = click.option("--address", help="Run on the cluster at this GCS address
                                                           "or URI), with the columns the run trained on.")
 @click.option("--workers", type=int, help="Workers (default: the run's); the metrics are exact at any number.")
 @ADDRESS
+@LOCAL
 @VERBOSE
-def evaluate(run_dir, which, data_set, data_file, workers, address, verbose):
+def evaluate(run_dir, which, data_set, data_file, workers, address, local, verbose):
     """Score a run's checkpoint with the training loop's exact distributed evaluation, on a split
     of its data or on any labelled file; the metrics are printed and written to
     RUN_DIR/evaluations/CHECKPOINT-SPLIT.json, for classification with per-class precision,
@@ -34,14 +37,14 @@ def evaluate(run_dir, which, data_set, data_file, workers, address, verbose):
 
     \b
     Examples:
-      raytrain-app evaluate runs/digits-20261123-101500
+      raytrain-app evaluate runs/digits-20261123-101500 --local
       raytrain-app evaluate runs/digits-20261123-101500 --checkpoint latest --data-set train --workers 4
       raytrain-app evaluate runs/churn-20261123-101500 --data new-customers-with-outcomes.csv
     """
     from raytrain_app.inference import scoring
 
     with exit_codes():
-        metrics = scoring.evaluate(run_dir, which, data_set, workers, address, verbose, click.echo, data_file)
+        metrics = scoring.evaluate(run_dir, which, data_set, workers, address, verbose, click.echo, data_file, local)
         for name, value in metrics.items():
             click.echo(f"{name:<24} {value:.6g}")
 
@@ -56,15 +59,16 @@ def evaluate(run_dir, which, data_set, data_file, workers, address, verbose):
 @click.option("--workers", type=int, help="Parallel tasks (default: the run's workers).")
 @click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per forward pass.")
 @ADDRESS
+@LOCAL
 @VERBOSE
-def predict(run_dir, input_path, output, which, workers, batch_size, address, verbose):
+def predict(run_dir, input_path, output, which, workers, batch_size, address, local, verbose):
     """Write a run's predictions for a Parquet or CSV file, row by row in the input's order: `row`
     (and the input's `id`), `prediction`, and for classification its `probability`. The rows hold
     raw values, as the training data stored them; the model preprocesses them as training did.
 
     \b
     Examples:
-      raytrain-app predict runs/digits-20261123-101500 --input new.parquet --output preds.parquet
+      raytrain-app predict runs/digits-20261123-101500 --input new.parquet --output preds.parquet --local
       raytrain-app predict runs/churn-20261123-101500 --input new-customers.csv --output preds.parquet
       raytrain-app predict s3://b/runs/r1 --input s3://b/new.parquet --output s3://b/preds.parquet --workers 8
     """
@@ -72,7 +76,7 @@ def predict(run_dir, input_path, output, which, workers, batch_size, address, ve
 
     with exit_codes():
         rows = scoring.predict(run_dir, input_path, output, which, workers, batch_size, address, verbose,
-                                 click.echo)
+                               click.echo, local)
         click.echo(f"{rows} predictions in {output}")
 
 

@@ -71,14 +71,16 @@ class Loaded:
 
 def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str = "eval",
              workers: Optional[int] = None, address: Optional[str] = None, verbose: bool = False,
-             echo: Callable[[str], None] = print, data: Optional[str] = None) -> dict:
+             echo: Callable[[str], None] = print, data: Optional[str] = None, local: bool = False) -> dict:
     """The task's metrics of a run's checkpoint over a whole split of the run's data, or over
     the labelled Parquet or CSV file `data`, computed as training does. Written to
     RUN_DIR/evaluations/CHECKPOINT-SPLIT.json (SPLIT: eval, train, or file-NAME), for
-    classification with per-class precision, recall, F1 and the confusion matrix (also as a PNG)."""
+    classification with per-class precision, recall, F1 and the confusion matrix (also as a PNG).
+    `local`: one worker in this process, through Ray Train's local mode (no cluster)."""
     if data_set not in DATA_SETS:
         raise UserError(f"--data-set must be one of {', '.join(DATA_SETS)}, got {data_set}")
-    loaded = Loaded.find(run_dir, checkpoint_name, workers)
+    _one_machine(local, workers, address)
+    loaded = Loaded.find(run_dir, checkpoint_name, 1 if local else workers)
     evaluations = storage.join(storage.parent(loaded.directory), "evaluations")  # checkpoints are in the run dir
     split = f"file-{posixpath.basename(data).split('.')[0]}" if data else data_set
     copies = storage.join(evaluations, f".{split}")  # a CSV's rows as Parquet, for the workers
@@ -86,30 +88,29 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
                          lambda line: echo(f"warning: {line}"))
     try:
         return _scored(loaded, storage.join(evaluations, f"{loaded.chosen.name}-{split}.json"), split, data_set,
-                       address, verbose, echo, data, copies)
+                       address, verbose, echo, data, copies, local)
     finally:
         storage.remove(copies)  # however it ended
         held.release()
 
 
+def _one_machine(local: bool, workers: Optional[int], address: Optional[str]) -> None:
+    if local and (address or (workers or 1) > 1):
+        raise UserError("--local runs one worker in this process: drop --workers and --address, or --local")
+
+
 def _scored(loaded: "Loaded", out: str, split: str, data_set: str, address: Optional[str], verbose: bool,
-            echo: Callable[[str], None], data: Optional[str], copies: str) -> dict:
+            echo: Callable[[str], None], data: Optional[str], copies: str, local: bool) -> dict:
     rows = _labelled_input(loaded, data, copies) if data else None
     shown, data = data, storage.normalize(data) if data else None
-    import ray.train  # after the checks: a wrong directory or file is reported without loading Ray
-
-    from raytrain_app.driver.trainer import explain_failure, torch_trainer
-
     s = loaded.job.scaling
     echo(f"evaluating {loaded.chosen.name} ({loaded.chosen.why}) on {shown or f'the {data_set} split'}: "
-         f"{count(s.workers, 'worker')}")
-    with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo), tempfile.TemporaryDirectory() as scratch:
-        trainer = torch_trainer(functools.partial(evaluate_per_worker, loaded, data_set, rows, out), s,
-                                run_config=ray.train.RunConfig(name="evaluate", storage_path=scratch))
-        try:
-            trainer.fit()
-        except ray.train.TrainingFailedError as e:
-            raise explain_failure(e, loaded.job) from None
+         f"{count(s.workers, 'worker')}{', local mode' if local else ''}")
+    evaluating = functools.partial(evaluate_per_worker, loaded, data_set, rows, out)
+    if local:
+        _in_this_process(evaluating)
+    else:
+        _on_ray(evaluating, loaded, address, verbose, echo)
     result = json.loads(storage.read_text(out))
     if "classes" in result:
         from raytrain_app.rundir import plots
@@ -128,6 +129,32 @@ def _scored(loaded: "Loaded", out: str, split: str, data_set: str, address: Opti
             echo(f"warning: no confusion matrix picture: {e}")
     echo(f"written to {out}")
     return result["metrics"]
+
+
+def _on_ray(evaluating: Callable[[], None], loaded: "Loaded", address: Optional[str], verbose: bool,
+           echo: Callable[[str], None]) -> None:
+    import ray.train  # after the checks: a wrong directory or file is reported without loading Ray
+
+    from raytrain_app.driver.trainer import explain_failure, torch_trainer
+
+    with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo), tempfile.TemporaryDirectory() as scratch:
+        trainer = torch_trainer(evaluating, loaded.job.scaling,
+                                run_config=ray.train.RunConfig(name="evaluate", storage_path=scratch))
+        try:
+            trainer.fit()
+        except ray.train.TrainingFailedError as e:
+            raise explain_failure(e, loaded.job) from None
+
+
+def _in_this_process(evaluating: Callable[[], None]) -> None:
+    """Ray Train's local mode: the same function, one rank, no cluster."""
+    import logging
+
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # its own lines say what ours say
+    TorchTrainer(evaluating, scaling_config=ray.train.ScalingConfig(num_workers=0)).fit()
 
 
 def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out: str) -> None:
@@ -191,14 +218,16 @@ def _labelled_input(loaded: Loaded, path: str, scratch: str) -> str:
 
 def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optional[str] = None,
             workers: Optional[int] = None, batch_size: int = 1024, address: Optional[str] = None,
-            verbose: bool = False, echo: Callable[[str], None] = print) -> int:
+            verbose: bool = False, echo: Callable[[str], None] = print, local: bool = False) -> int:
     """Write the model's predictions for every row of a Parquet or CSV file to `output`, in the
     input's order, with the row number (and the input's `id` column, if it has one); returns the
     row count. The input holds the training data's feature columns by name (in any order, other
     columns ignored) or the one packed column it had, with raw values: the model preprocesses
     them as training did. Classification: `prediction` (the class) and `probability`;
-    regression: `prediction` (the value, or a list for several targets)."""
-    loaded = Loaded.find(run_dir, checkpoint_name, workers)
+    regression: `prediction` (the value, or a list for several targets). `local`: in this process,
+    with no Ray cluster."""
+    _one_machine(local, workers, address)
+    loaded = Loaded.find(run_dir, checkpoint_name, 1 if local else workers)
     if loaded.job.task.name not in ("classification", "regression"):
         raise UserError(f"predict writes classification and regression outputs; this run's task is "
                         f"{loaded.job.task.name}")
@@ -208,13 +237,13 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
     storage.check_writable(out_dir)
     parts = storage.join(out_dir, f".{posixpath.basename(output)}.parts")
     try:
-        return _predict(loaded, input_path, output, parts, features, batch_size, address, verbose, echo)
+        return _predict(loaded, input_path, output, parts, features, batch_size, address, verbose, echo, local)
     finally:
         storage.remove(parts)  # the CSV's copy and the parts, however it ended
 
 
 def _predict(loaded: "Loaded", input_path: str, output: str, parts: str, features: list[str], batch_size: int,
-             address: Optional[str], verbose: bool, echo: Callable[[str], None]) -> int:
+             address: Optional[str], verbose: bool, echo: Callable[[str], None], local: bool) -> int:
     import pyarrow.parquet as pq
     import ray
 
@@ -224,7 +253,10 @@ def _predict(loaded: "Loaded", input_path: str, output: str, parts: str, feature
     groups = pq.ParquetFile(fs.open_input_file(path)).metadata.num_row_groups
     s = loaded.job.scaling
     echo(f"predicting {input_path} with {loaded.chosen.name} ({loaded.chosen.why}): {count(groups, 'row group')} over "
-         f"{count(s.workers, 'worker')}")
+         f"{count(s.workers, 'worker')}{', in this process' if local else ''}")
+    if local:
+        predict_row_groups(loaded, source, features, list(range(groups)), parts, batch_size)
+        return _join(parts, groups, output)
     with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo):
         task = ray.remote(predict_row_groups).options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker)
         try:
