@@ -140,6 +140,15 @@ def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_pat
         assert str(refused.value) == f"--local (scaling.local: true): {reason}; drop --local, or what needs Ray"
         assert time.monotonic() - start < 5
     assert not (tmp_path / "never").exists()
+    for command, message in ((["sweep", "--param", "optimizer.lr=choice:0.1,0.2"], "a sweep's trials run under Ray "
+                              "Tune, on Ray"),
+                             (["submit", "--cluster", write_profile(tmp_path / "p.yaml"), "--dry-run"],
+                              "a submitted job trains on the cluster's Ray")):
+        proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", command[0], "examples/digits.yaml",
+                               *command[1:], "--set", "scaling.local=true"], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: scaling.local: true: {message}; drop ") \
+            and len(proc.stderr.splitlines()) == 1, proc.stderr
 
     from raytrain_app.driver.local import choose
 

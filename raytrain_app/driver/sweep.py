@@ -106,6 +106,8 @@ def plan_sweep(config: JobConfig, param_exprs: Sequence[str], samples: int, sche
         raise UserError(f"--max-concurrent must be >= 1, got {max_concurrent}")
     if config.script:
         raise UserError("sweep runs job configs; a script's settings are its own arguments")
+    if config.scaling.local is True:
+        raise UserError("scaling.local: true: a sweep's trials run under Ray Tune, on Ray; drop scaling.local")
     config = resolve_auto(config)
     params = [Param.parse(expr) for expr in param_exprs]
     if len({p.key for p in params}) < len(params):

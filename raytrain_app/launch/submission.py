@@ -73,6 +73,9 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     """Turn the cluster shape into workers (one per GPU, or per `scaling.gpus_per_worker` whole GPUs,
     or `workers_per_node` per CPU node), check on this machine what `train` would check on the
     cluster, and say what the job will carry."""
+    if config.scaling.local is True:
+        raise UserError("scaling.local: true: a submitted job trains on the cluster's Ray; drop scaling.local "
+                        "(submit --smoke runs it here first)")
     nodes = profile.nodes if nodes is None else nodes
     gpus = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     cpus = profile.cpus_per_node if cpus_per_node is None else cpus_per_node
