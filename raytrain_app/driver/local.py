@@ -116,7 +116,7 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
     failures = 0
     while True:
         try:
-            with _worker_environment(config.scaling):
+            with worker_environment(config.scaling):
                 if config.scaling.workers == 1:
                     worker.train(args)
                 else:
@@ -199,7 +199,7 @@ def _quiet_launcher():
 
 
 @contextmanager
-def _worker_environment(scaling):
+def worker_environment(scaling):
     """Each worker computes on as many threads as Ray would give it (its CPUs): the same numbers
     under both, and N workers that do not fight over the cores. Workers given no GPU see none:
     Ray Train's local mode would take a GPU it finds (and NCCL with it)."""

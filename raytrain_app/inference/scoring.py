@@ -108,7 +108,7 @@ def _scored(loaded: "Loaded", out: str, split: str, data_set: str, address: Opti
          f"{count(s.workers, 'worker')}{', local mode' if local else ''}")
     evaluating = functools.partial(evaluate_per_worker, loaded, data_set, rows, out)
     if local:
-        _in_this_process(evaluating)
+        _in_this_process(evaluating, loaded.job.scaling)
     else:
         _on_ray(evaluating, loaded, address, verbose, echo)
     result = json.loads(storage.read_text(out))
@@ -146,15 +146,19 @@ def _on_ray(evaluating: Callable[[], None], loaded: "Loaded", address: Optional[
             raise explain_failure(e, loaded.job) from None
 
 
-def _in_this_process(evaluating: Callable[[], None]) -> None:
-    """Ray Train's local mode: the same function, one rank, no cluster."""
+def _in_this_process(evaluating: Callable[[], None], scaling) -> None:
+    """Ray Train's local mode: the same function, one rank, no cluster, on the threads (and GPU
+    or none) a Ray worker would have: the same numbers."""
     import logging
 
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from raytrain_app.driver.local import worker_environment
+
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # its own lines say what ours say
-    TorchTrainer(evaluating, scaling_config=ray.train.ScalingConfig(num_workers=0)).fit()
+    with worker_environment(scaling):
+        TorchTrainer(evaluating, scaling_config=ray.train.ScalingConfig(num_workers=0)).fit()
 
 
 def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out: str) -> None:
