@@ -66,7 +66,9 @@ def test_a_killed_worker_process_restarts_the_group_and_resumes_bitwise(tmp_path
     assert re.fullmatch(r"warning: rank 1 on node \S+ \(pid \d+\): worker process died: killed by SIGKILL; "
                         rf"restarting from {tmp_path}/killed/checkpoint_\S+ \(restart 1 of 1\)", notice), lines
     log = (tmp_path / "killed" / "logs" / "rank-1.log").read_text()
-    step, epoch, batch = map(int, re.search(r"at step (\d+): epoch (\d+) from batch (\d+)", log).groups())
+    resumed = re.search(r"resumed from \S+ at step (\d+): epoch (\d+) from batch (\d+)", log)
+    assert resumed, log
+    step, epoch, batch = map(int, resumed.groups())
     assert epoch == 2 and step == 35 and batch == 12  # the newest step checkpoint before call 40, mid-epoch
     same_run(straight, killed)
     restarts = [json.loads(line) for line in (tmp_path / "killed" / "restarts.jsonl").read_text().splitlines()]
@@ -87,6 +89,11 @@ def test_a_run_started_in_one_mode_resumes_bitwise_in_the_other(ray_cluster, tmp
             trained(config, run_dir, first)
         marker.unlink()
         resumed = trained(config, run_dir, then, resume=True)
+        # It continued inside epoch 2 from the other mode's checkpoint: not a fresh start, which
+        # would end bitwise the same too.
+        log = (run_dir / "logs" / "rank-0.log").read_text().split("rank 0/2 on node")[-1]
+        at = re.search(r"resumed from \S+/checkpoint_\S+ at step (\d+): epoch 2 from batch (\d+)", log)
+        assert at and int(at[1]) in (25, 30, 35) and int(at[2]) == int(at[1]) - 23, log
         same_run(straight, resumed)
 
 
