@@ -48,10 +48,11 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
         job = job.model_copy(update={"name": f"{job.name}-smoke"})
     # torch and Ray load only now: a config error is reported in a fraction of a second, and
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
+    from raytrain_app.cluster.session import ray_connected
     from raytrain_app.driver import local as local_mode
     from raytrain_app.driver.plan import make_plan
 
-    locally = local_mode.choose(job, address, min_nodes, ray_connected=_ray_connected())
+    locally = local_mode.choose(job, address, min_nodes, ray_connected=ray_connected())
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"),
                      local=locally)
     try:
@@ -99,14 +100,6 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
 
         marks["cluster"] = time.time()
         return run_training(plan, progress=progress, echo=echo, marks=marks)
-
-
-def _ray_connected() -> bool:
-    """Whether this process has joined a Ray cluster already (a notebook's `ray.init()`), without
-    loading Ray when it has not."""
-    import sys
-
-    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def _how_to_continue(config, plan, script_args: Sequence[str]) -> str:

@@ -56,7 +56,7 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
         return ClusterChoice()
     if address:
         return ClusterChoice(address)
-    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+    if ray_connected():
         return ClusterChoice(current=True)
     running = running_local_cluster(workers, cpus_per_worker, gpus_per_worker)
     if running:
@@ -64,6 +64,12 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
                              note=f"using the running local cluster '{running.name}' (--address local starts a "
                                   "fresh one)")
     return ClusterChoice()
+
+
+def ray_connected() -> bool:
+    """Whether this process has joined a Ray cluster already (a library caller's `ray.init()`),
+    without loading Ray when it has not."""
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 @contextmanager

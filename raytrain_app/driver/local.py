@@ -108,9 +108,10 @@ class Inbox:
 
 
 def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], Optional[str]],
-        on_restart: Callable[[str], None]) -> None:
+        on_restart: Callable[[str, str], None]) -> None:
     """Train, restarting the whole group from the latest checkpoint after a failure, up to
-    `failure.max_failures` times; raises TrainingFailed with the last failure after that. Worker
+    `failure.max_failures` times (`on_restart` hears the cause and the console's line); raises
+    TrainingFailed with the last failure after that. Worker
     processes' own output goes to `log_dir`/local/launch-N/attempt_0/RANK/, as Ray's goes to its logs."""
     limit = config.failure.max_failures
     failures = 0
@@ -134,8 +135,8 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
                 if unwritten:
                     raise CheckpointNotWritten(int(unwritten["step"]), unwritten["where"], unwritten["cause"]) from None
                 raise TrainingFailed(why) from None
-            on_restart(f"{why}; restarting from {latest() or 'the start'} "
-                       f"(restart {failures} of {'unlimited' if limit == -1 else limit})")
+            on_restart(why, f"{why}; restarting from {latest() or 'the start'} "
+                            f"(restart {failures} of {'unlimited' if limit == -1 else limit})")
 
 
 def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:

@@ -148,9 +148,9 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
 def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str, listener: "EventListener",
                  echo) -> Optional[str]:
     """Ray Train's local mode runs the loop here (see `local.py`); returns the final checkpoint's URI."""
-    def restarting(message: str) -> None:
-        echo(f"warning: {message}")
-        rundir.record_restart(run_dir, "restart", message.split("; restarting")[0])
+    def restarting(why: str, line: str) -> None:
+        echo(f"warning: {line}")
+        rundir.record_restart(run_dir, "restart", why)
 
     try:
         local.run(args, config, log_dir, lambda: snapshot.latest(run_dir), restarting)

@@ -149,16 +149,11 @@ def _on_ray(evaluating: Callable[[], None], loaded: "Loaded", address: Optional[
 def _in_this_process(evaluating: Callable[[], None], scaling) -> None:
     """Ray Train's local mode: the same function, one rank, no cluster, on the threads (and GPU
     or none) a Ray worker would have: the same numbers."""
-    import logging
-
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
     from raytrain_app.driver.local import worker_environment
+    from raytrain_app.worker.local import in_local_mode
 
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # its own lines say what ours say
     with worker_environment(scaling):
-        TorchTrainer(evaluating, scaling_config=ray.train.ScalingConfig(num_workers=0)).fit()
+        in_local_mode(evaluating)
 
 
 def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out: str) -> None:

@@ -33,21 +33,18 @@ def latest(run_dir: str) -> Optional[str]:
     return storage.join(run_dir, newest["checkpoint_dir_name"]) if newest else None
 
 
-def add(run_dir: str, name: str, metrics: dict, metric: Optional[str], mode: str, keep: Optional[int]) -> list[str]:
-    """Record checkpoint `name` (taken with `metrics`) and drop the worst past `keep`; returns the
-    names dropped. `metric` None keeps the newest (a script's checkpoints have no score)."""
+def add(run_dir: str, name: str, metrics: dict, metric: str, mode: str, keep: int) -> None:
+    """Record checkpoint `name` (taken with `metrics`) and drop the worst by `metric` past `keep`."""
     index = read(run_dir) or {"checkpoint_results": [], "checkpoint_report_indices": [], "current_report_index": 0}
     report = index["current_report_index"]
     entry = {"version": 0, "checkpoint_dir_name": name, "metrics": metrics}
     kept = list(zip(index["checkpoint_results"], index["checkpoint_report_indices"])) + [(entry, report)]
     sign = 1 if mode == "max" else -1
-    kept.sort(key=lambda pair: (sign * pair[0]["metrics"].get(metric, 0) if metric else 0, pair[1]))
-    dropped = []
-    if keep is not None and len(kept) > keep:
-        dropped = [pair for pair in kept[:-keep] if pair[0] is not entry]
-        kept = [pair for pair in kept if not any(pair is d for d in dropped)]
+    kept.sort(key=lambda pair: (sign * pair[0]["metrics"].get(metric, 0), pair[1]))
+    dropped = [pair for pair in kept[:-keep] if pair[0] is not entry]  # never the latest
+    kept = [pair for pair in kept if pair not in dropped]
     index.update({
-        "ray_version": version("ray"),  # Ray reads only its own version's
+        "ray_version": version("ray"),  # the version that wrote it, as Ray records
         "checkpoint_results": [e for e, _ in kept],
         "checkpoint_report_indices": [i for _, i in kept],
         "latest_checkpoint_result": entry,
@@ -61,4 +58,3 @@ def add(run_dir: str, name: str, metrics: dict, metric: Optional[str], mode: str
     storage.write_text(storage.join(run_dir, SNAPSHOT), json.dumps(index))
     for e, _ in dropped:
         storage.remove(storage.join(run_dir, e["checkpoint_dir_name"]))
-    return [e["checkpoint_dir_name"] for e, _ in dropped]

@@ -43,14 +43,18 @@ class Outbox:
 def train(args: WorkerArgs) -> None:
     """Run the loop as Ray Train's local mode runs it: in this process, joined to the group that
     torchrun's environment (set by the launcher) names, if it names one."""
+    in_local_mode(functools.partial(train_loop_per_worker, args), os.path.basename(args.run_dir.rstrip("/")))
+
+
+def in_local_mode(function, name: Optional[str] = None) -> None:
+    """`function` through Ray Train's local mode (`num_workers=0`): training's and `evaluate --local`'s."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     # Local mode's own lines (that it runs locally, every reported metric) say what the console says.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
-    TorchTrainer(functools.partial(train_loop_per_worker, args),
-                 scaling_config=ray.train.ScalingConfig(num_workers=0),
-                 run_config=ray.train.RunConfig(name=os.path.basename(args.run_dir.rstrip("/")))).fit()
+    TorchTrainer(function, scaling_config=ray.train.ScalingConfig(num_workers=0),
+                 run_config=ray.train.RunConfig(name=name)).fit()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
