@@ -176,9 +176,11 @@ def _reason(e: Exception) -> str:
     follow from it): from the launcher's report of the worker processes, or the in-process
     worker's own exception."""
     host = socket.gethostname()
-    if not hasattr(e, "get_first_failure"):  # not torch's ChildFailedError: the worker in this process
+    if not hasattr(e, "failures"):  # not torch's ChildFailedError: the worker in this process
         return f"rank 0 on node {host} (pid {os.getpid()}): {last_line(e)}"
-    rank, failure = e.get_first_failure()
+    # The launcher stops a dead rank's survivors with SIGTERM, and may record them first.
+    rank, failure = min(e.failures.items(), key=lambda item: (item[1].exitcode == -signal.SIGTERM,
+                                                              item[1].timestamp, item[0]))
     message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
     lines = [line for line in message.strip().splitlines() if line.strip() and "To enable traceback" not in line]
     code = failure.exitcode
