@@ -193,7 +193,9 @@ def test_smoke_runs_every_path_of_one_short_epoch_and_runs_shows_it(tmp_path):
     sent = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", digits, "--cluster", profile,
                            "--smoke", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert sent.returncode == 0, sent.stderr
-    assert re.search(r"^smoke run passed \(\S+/runs/digits-smoke-\S+\): submitting$", sent.stdout, re.M)
+    tried = re.search(r"^smoke run passed \((\S+)\): submitting$", sent.stdout, re.M)
+    assert tried and not tried[1].startswith(str(tmp_path))  # not into the working_dir the job ships
+    assert json.loads(open(f"{tried[1]}/metrics.jsonl").readline())["step"] == 3
     assert "train - --address auto" in sent.stdout  # then the plan, as --dry-run shows it
     broken = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", digits, "--cluster", profile,
                              "--smoke", "--dry-run", "--set", "train.batch_size=100000"], cwd=tmp_path,

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -93,10 +94,14 @@ def submit(follow, dry_run, smoke, **job):
             engine.check_ready()
         planned = placed(profile, **job)
         if smoke:
+            import tempfile
+
             from raytrain_app.api import fit
 
+            # Outside the launch folder: it is the job's working_dir, which ships to the cluster.
+            scratch = os.path.join(tempfile.mkdtemp(prefix="raytrain-smoke-"), "run")
             tried = fit(job["config_file"], overrides=job["overrides"], script_args=job["script_args"], smoke=True,
-                        local=True, echo=click.echo)
+                        local=True, echo=click.echo, run_dir=scratch)
             click.echo(f"smoke run passed ({tried.run_dir}): submitting")
         send(engine, planned, follow, dry_run)
 
