@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Every GPU check on one CUDA machine, in two parts that each fit one 10-minute device call:
+# Every GPU check on one CUDA machine, in parts that each fit one 10-minute device call:
 #
 #   bash benchmarks/gpu_check.sh paths        # the GPU paths through the real `train` command,
 #                                             # then step_overhead.py on CUDA (eager, then CUDA
 #                                             # graphs with data on the device, profiled)
 #   bash benchmarks/gpu_check.sh throughput   # throughput.py: ResNet-18 and LeNet, batch 512, bf16
+#   bash benchmarks/gpu_check.sh fsdp         # FSDP2 on gpt: the loop against a hand FSDP2 loop
+#                                             # (tokens/s, MFU), fsdp and hsdp runs, a SIGKILLed
+#                                             # fsdp worker resuming from its DCP checkpoint
+#   bash benchmarks/gpu_check.sh data         # the GPU memory check, evaluate and predict on
+#                                             # CUDA, streaming Parquet against data on the GPU
 #
 # `paths`: NCCL at one worker in bf16 (auto precision), fp16 with GradScaler and clipping,
 # compile reduce-overhead (CUDA graphs) with the data on the device, and 2 NCCL workers sharing
-# the one GPU (0.5 GPU each). Run from the repository root with raytrain_app importable (see
-# benchmarks/README.md); logs and results go to ${OUT:-/tmp/gpu-check}.
+# the one GPU (0.5 GPU each). `fsdp` runs its 2-worker runs as 2 workers sharing the one GPU
+# (Gloo on CUDA tensors; NCCL refuses two ranks on one GPU) when the machine has one. Run from
+# the repository root with raytrain_app importable (see benchmarks/README.md); logs and results
+# go to ${OUT:-/tmp/gpu-check}.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -59,5 +66,95 @@ throughput)
     python3 benchmarks/throughput.py --model "$model" --steps 100 --epochs 5 --json "$out/throughput-$model.json"
   done
   ;;
-*) echo "usage: gpu_check.sh [paths|throughput]" >&2; exit 2 ;;
+fsdp)
+  echo "== fsdp_throughput.py: the worker loop against a hand FSDP2 loop, gpt 12 x 768, block 1024, batch 16, bf16"
+  python3 benchmarks/fsdp_throughput.py --steps 20 --rounds 5 --repeats 3
+  cat > "$out/gpt.yaml" <<'YAML'
+name: gpt-gpu
+seed: 0
+model: {name: gpt, args: {n_layer: 4, n_head: 8, n_embd: 256}}
+data: {name: text, args: {path: stdlib, pattern: "*.py", max_bytes: 1000000, block: 256}, eval_fraction: 0.1}
+task: {name: language_model}
+optimizer: {name: adamw, lr: 0.001, weight_decay: 0.01}
+schedule: {name: cosine, warmup_epochs: 0.1}
+train: {epochs: 2, batch_size: 32, eval_batch_size: 64}
+checkpoint: {every_steps: 20}
+failure: {max_failures: 1}
+YAML
+  marker=/tmp/gpu-check-fault; touch "$marker"
+  sed "s|model: .*|model: {name: \"tests.helpers:faulty_gpt\", args: {n_layer: 4, n_head: 8, n_embd: 256, marker: $marker, at: 80, rank: 1}}|" \
+    "$out/gpt.yaml" > "$out/gpt-faulty.yaml"
+  gpus=$(nvidia-smi -L | wc -l); share=$(python3 -c "print(min(1, $gpus / 2))")
+  for run in fsdp:gpt fsdp-killed:gpt-faulty hsdp:gpt; do
+    name=${run%%:*}; strategy=${name%%-*}
+    echo "== $name: 2 workers x $share GPU, strategy $strategy"
+    python3 -m raytrain_app.cli train "$out/${run#*:}.yaml" --workers 2 --gpus-per-worker "$share" \
+      --set strategy.name="$strategy" --run-dir "/tmp/runs/$name"
+    echo "exit $?"
+    grep -h "sharded over\|resumed from\|restarting" "/tmp/runs/$name/logs/"*.log "/tmp/runs/$name/restarts.jsonl" \
+      2>/dev/null | cut -c1-220 | head -4
+    tail -n 1 "/tmp/runs/$name/metrics.jsonl" | cut -c1-400
+  done
+  [ -e "$marker" ] && echo "the fault never fired"
+  echo "== the killed run's final weights against the uninterrupted run's"
+  python3 - <<'PY'
+import torch
+from raytrain_app import load_model
+a = load_model("/tmp/runs/fsdp").state_dict()
+b = {k.replace(".inner.", "."): v for k, v in load_model("/tmp/runs/fsdp-killed").state_dict().items()}
+diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+print(f"{len(a)} tensors, bitwise equal: {all(torch.equal(a[k], b[k]) for k in a)}, largest difference {diff:.3g}")
+PY
+  echo "== fsdp at 1 worker, local mode (nothing to shard over: unsharded, the console says so)"
+  python3 -m raytrain_app.cli train "$out/gpt.yaml" --workers 1 --gpus-per-worker 1 --set strategy.name=fsdp \
+    --run-dir /tmp/runs/fsdp-one --set train.epochs=1
+  echo "exit $?"
+  ;;
+data)
+  total=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  echo "== the GPU memory check: another process holds all but 8 of the GPU's $total GiB, then a 1.2B gpt"
+  python3 -c "import torch, time; x = torch.empty(($total - 8) << 30, dtype=torch.uint8, device='cuda'); \
+print('held', flush=True); time.sleep(90)" > /tmp/hold.log & holder=$!
+  until grep -q held /tmp/hold.log; do sleep 0.5; done
+  python3 -m raytrain_app.cli train examples/charlm.yaml --workers 1 --gpus-per-worker 1 --run-dir /tmp/runs/too-big \
+    --set model.args.n_layer=24 --set model.args.n_embd=2048 --set model.args.n_head=16
+  echo "exit $?"
+  kill $holder; wait $holder 2>/dev/null
+  train evaluated --set train.epochs=6
+  for where in cuda cpu; do
+    echo "== evaluate and predict --local on $where"
+    [ $where = cpu ] && export CUDA_VISIBLE_DEVICES=
+    python3 -m raytrain_app.cli evaluate /tmp/runs/evaluated --local
+    echo "exit $?"
+    python3 -m raytrain_app.cli predict /tmp/runs/evaluated --input raytrain_app/data/digits.parquet \
+      --output "/tmp/preds-$where.parquet" --local
+    echo "exit $?"
+  done
+  unset CUDA_VISIBLE_DEVICES
+  python3 - <<'PY'
+import pyarrow.parquet as pq
+cuda, cpu = (pq.read_table(f"/tmp/preds-{w}.parquet").to_pydict() for w in ("cuda", "cpu"))
+col = [k for k in cuda if k.startswith("pred")][0]
+same = sum(a == b for a, b in zip(cuda[col], cpu[col]))
+print(f"predictions on CUDA and on CPU agree on {same} of {len(cuda[col])} rows ({col})")
+PY
+  echo "== streaming Parquet into a GPU run against the same data read whole onto the GPU (ResNet-18, bf16)"
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import stream_parquet as s; \
+s.write_dataset('/tmp/cifar-like', 100_000, 16, 1024, 0)"
+  for variant in "streaming --set data.args.streaming=true --set data.args.buffer_rows=16384" \
+                 "on-device --set data.on_device=on"; do
+    name=${variant%% *}
+    echo "== $name"
+    python3 -m raytrain_app.cli train examples/digits.yaml --workers 1 --gpus-per-worker 1 --run-dir "/tmp/runs/$name" \
+      --set model.name=resnet18 --set data.name=parquet --set data.args="{path: /tmp/cifar-like}" \
+      --set data.eval_fraction=0.05 --set train.epochs=3 --set train.batch_size=512 ${variant#* }
+    echo "exit $?"
+    python3 - "/tmp/runs/$name" <<'PY'
+import json, sys
+for row in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")):
+    print("   ", {k: round(row[k], 3) for k in ("epoch", "samples_per_s", "data_wait_frac", "mfu") if k in row})
+PY
+  done
+  ;;
+*) echo "usage: gpu_check.sh [paths|throughput|fsdp|data]" >&2; exit 2 ;;
 esac

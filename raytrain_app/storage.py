@@ -69,20 +69,17 @@ def subdirectories(path: str) -> list[str]:
 
 
 def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: str, data: bytes) -> None:
     """Write then rename, so a reader never sees half a file (object stores write whole objects anyway)."""
     fs, p = filesystem_for(path)
     fs.create_dir(posixpath.dirname(p), recursive=True)
     tmp = p + ".tmp"
     with fs.open_output_stream(tmp) as f:
-        f.write(text.encode())
-    fs.move(tmp, p)
-
-
-def write_bytes(path: str, data: bytes) -> None:
-    fs, p = filesystem_for(path)
-    fs.create_dir(posixpath.dirname(p), recursive=True)
-    with fs.open_output_stream(p) as f:
         f.write(data)
+    fs.move(tmp, p)
 
 
 def read_bytes(path: str) -> bytes:

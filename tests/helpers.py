@@ -109,6 +109,14 @@ def faulty_mlp(input_shape: tuple, num_classes: int, marker: str, at: int, rank:
     return Fault(mlp(input_shape, num_classes, hidden=list(hidden), dropout=0.2), marker, at, rank, fault)
 
 
+def faulty_gpt(input_shape: tuple, num_classes: int, marker: str, at: int, rank: int = -1, fault: str = "kill",
+               **args) -> nn.Module:
+    """The built-in gpt with a fault, for sharded runs (benchmarks/gpu_check.sh kills one on a GPU)."""
+    from raytrain_app.models.gpt import gpt
+
+    return Fault(gpt(input_shape, num_classes, **args), marker, at, rank, fault)
+
+
 def augmented_digits(eval_fraction: float, split_seed: int):
     """The real digits at 16x16 with the CIFAR flip-and-crop on the training split."""
     from raytrain_app.data.parquet import digits

@@ -288,7 +288,7 @@ def predict_row_groups(loaded: Loaded, input_path: str, features: list[str], gro
     for g in groups:
         pieces, row = [], int(starts[g])
         for batch in source.iter_batches(batch_size=batch_size, row_groups=[g], columns=features + ["id"] * keep_id):
-            x = torch.from_numpy(np.asarray(feature_matrix(batch, packed, input_path)))
+            x = torch.tensor(feature_matrix(batch, packed, input_path))  # a copy: Arrow's buffers are read-only
             if loaded.recipe is None:  # a builder's own data: its rows are the model's inputs, as float32
                 x = x.reshape(len(x), *loaded.input_shape).float()
             with torch.no_grad():

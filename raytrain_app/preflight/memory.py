@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import nn
 
 from raytrain_app.config import JobConfig
@@ -72,15 +73,27 @@ def check_state_fits(model: nn.Module, config: JobConfig) -> None:
     shards = shard_group(config)
     if cap is None or shards is None:
         return
+    _refuse_over(model, config, shards, cap * GiB, f"the {cap:g} GiB given", "scaling.memory_per_worker_gb: ")
+
+
+def check_state_fits_gpu(model: nn.Module, config: JobConfig, shards: int, device: torch.device) -> None:
+    """The same floor on a GPU worker, against what its GPU has free, before the model moves
+    there: a state that cannot fit is one line at the start, not a CUDA out-of-memory traceback
+    after the data has loaded. Free, not total: another process may hold part of the GPU."""
+    free, total = torch.cuda.mem_get_info(device)
+    where = (f"the {free / GiB:.2f} GiB free on {device} ({torch.cuda.get_device_name(device)}, "
+             f"{total / GiB:.1f} GiB)")
+    _refuse_over(model, config, shards, free, where, "")
+
+
+def _refuse_over(model: nn.Module, config: JobConfig, shards: int, limit: float, where: str, prefix: str) -> None:
     need = state_bytes(model, config.optimizer, shards)
-    if need.total <= cap * GiB:
+    if need.total <= limit:
         return
     strategy = config.strategy.name if shards > 1 else "ddp"
     hint = ""
     if shards == 1 and config.scaling.workers > 1:
         sharded = state_bytes(model, config.optimizer, config.scaling.workers)
         hint = f"; strategy fsdp splits it over the {config.scaling.workers} workers: {sharded.describe()} each"
-    raise UserError(f"scaling.memory_per_worker_gb: the model's training state takes {need.describe()} per worker "
-                    f"under {strategy}, more than the {cap:g} GiB given{hint}")
-
-
+    raise UserError(f"{prefix}the model's training state takes {need.describe()} per worker under {strategy}, "
+                    f"more than {where}{hint}")

@@ -8,3 +8,4 @@ RESTARTS = "restarts.jsonl"  # one line per restart or resume, for report.png
 POSITION = "checkpoint.json"  # in each checkpoint: its epoch, step and batch (written with the checkpoint)
 STATE_FILE = "state.pt"  # in each checkpoint: rank 0's state, which every checkpoint of the built-in loop holds
 SHARDS = "shards"  # in a sharded run's checkpoint: the DCP directory of its weights and optimizer state
+COMPILE_CACHE = "compile_cache.bin"  # torch.compile's portable cache, rank 0's (worker/compile_cache.py)

@@ -49,12 +49,14 @@ from raytrain_app.data.preprocess import recipe
 from raytrain_app.distributed import global_max
 from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.models import build_model, places_itself
+from raytrain_app.preflight.memory import check_state_fits_gpu, shard_group
 from raytrain_app.rundir import snapshot
 from raytrain_app.tasks import build_task, model_outputs
 from raytrain_app.tasks.base import Task
 from raytrain_app.tasks.supervised import Classification, class_weights
 from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint
+from raytrain_app.worker.compile_cache import CompileCache
 from raytrain_app.worker.early_stopping import EarlyStopping
 from raytrain_app.worker.metrics import EpochMetrics, Sums, Totals
 from raytrain_app.worker.nonfinite import LossCheck, NonFiniteLoss
@@ -142,6 +144,8 @@ def _run(w: Worker) -> None:
         report.say(f"class weights ({'auto' if job.task.class_weights == 'auto' else 'given'}): "
                    f"{task.weight.min():.3g} to {task.weight.max():.3g} over {outputs} classes")
     model = build_model(job.model, data.input_shape, outputs, ray.train.torch.get_devices())
+    if device.type == "cuda" and not places_itself(job.model):  # before the model moves to the GPU
+        check_state_fits_gpu(model, job, shard_group(job) or ray.train.get_context().get_local_world_size(), device)
     parallel = parallelize(model, job, world_size, w.node, device, report.warn, placed=places_itself(job.model))
     seed_everything(job.seed + rank)
 
@@ -187,9 +191,12 @@ def _run(w: Worker) -> None:
         for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0):
             report.warn(warning)
     trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
-    after_step = AfterStep(job, about, w, step.loss_check, trackers, {**w.marks, "ready": time.time()})
+    compile_cache = CompileCache(run_dir, rank, device, report) if tc.compile != "off" else None
+    after_step = AfterStep(job, about, w, step.loss_check, trackers, {**w.marks, "ready": time.time()}, compile_cache)
 
     try:
+        if compile_cache:
+            compile_cache.open()
         for epoch in range(state.epoch, tc.epochs):
             sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
             sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming inside the epoch
@@ -201,6 +208,8 @@ def _run(w: Worker) -> None:
                 torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
             seconds = state.clock.elapsed()
             evaluated = eval_epoch(parallel.model, eval_dl, step)
+            if compile_cache:
+                compile_cache.save()  # what the epoch compiled after its first step (its shorter last batch)
             state.finish_epoch()
             metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
                                         optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated)
@@ -219,6 +228,8 @@ def _run(w: Worker) -> None:
         report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
     finally:
         trackers.close()
+        if compile_cache:
+            compile_cache.close()
 
 
 def resume_warnings(saved: Optional[dict], now: dict, mid_epoch: bool) -> list[str]:
@@ -336,15 +347,18 @@ def evaluation_sums(model: nn.Module, loader, step: Step) -> dict[str, torch.Ten
 class AfterStep:
     """What follows an optimizer step: rank 0 tells the driver and the trackers where start-up went
     (at a fresh run's first step), the trackers get their step-level point, and every
-    `checkpoint.every_steps` steps a mid-epoch checkpoint records the position within the epoch."""
+    `checkpoint.every_steps` steps a mid-epoch checkpoint records the position within the epoch.
+    After this process's first step, what it compiled goes into the run's compile cache."""
 
     def __init__(self, job: JobConfig, about: dict, worker: Worker, loss_check: LossCheck, trackers: Trackers,
-                 marks: dict):
+                 marks: dict, compile_cache: Optional[CompileCache]):
         self.job, self.about, self.worker = job, about, worker
         self.loss_check, self.report = loss_check, worker.report
-        self.trackers, self.marks = trackers, marks
+        self.trackers, self.marks, self.compile_cache = trackers, marks, compile_cache
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
+        if self.compile_cache:
+            self.compile_cache.after_step()
         if state.step == 1:
             marks = {**self.marks, "first_step": time.time()}
             self.report.startup(marks)

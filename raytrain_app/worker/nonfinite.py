@@ -5,15 +5,17 @@ poisons the weights through DDP's all-reduce; training on would waste the rest o
 overwrite good checkpoints with NaN ones. Keras calls this TerminateOnNaN.
 
 Every rank must stop at the same step, or the others would wait in the next all-reduce until
-the collective timeout. So each optimizer step all-reduces one number, the ranks' running loss
-sums (finite only if every rank's losses were), asynchronously, and every rank reads the result
-`LAG` steps later: by then the collective is long done, so no step waits on it, and on GPUs the
-value has reached pinned host memory behind the step's own work. Reading it one step later
-would already avoid a wait, but it would hold the host within one step of the GPU, and then any
-hiccup on the host (the garbage collector, Ray's threads) leaves the GPU idle; a few steps of
-headroom absorb them, as a hand-written loop that never reads a value does. The run stops `LAG`
-steps after the bad one, naming the bad one; anything that must not see poisoned weights (a
-checkpoint, the end of an epoch) reads every pending answer first with `settle()`.
+the collective timeout. So after each optimizer step every rank notes its running loss sum
+(finite only if all its losses were) in a small device buffer, and every `LAG` steps it starts
+one check of the whole buffer: an asynchronous all-reduce (finite only if every rank's sums
+were) and, on GPUs, a copy to pinned host memory. Every rank reads the answer `LAG` steps later:
+by then the collective is long done, so no step waits on it, and the host stays a few steps
+ahead of the GPU, as a hand-written loop that never reads a value does (a hiccup on the host,
+the garbage collector or Ray's threads, then leaves the GPU busy rather than idle). A check
+per `LAG` steps, not per step: a per-step copy, event and read cost LeNet on an H100 a tenth of
+its step. The run stops at most `2 x LAG` steps after the bad one, naming the bad one; anything
+that must not see poisoned weights (a checkpoint, the end of an epoch) reads every pending
+answer first with `settle()`.
 
 Under fp16, GradScaler skips steps whose *gradients* overflow and lowers its scale: that is
 normal and does not count here, since the loss itself is finite.
@@ -22,7 +24,6 @@ normal and does not count here, since the loss itself is finite.
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -36,58 +37,67 @@ class NonFiniteLoss(Exception):
         self.step, self.lr = step, lr
 
 
-LAG = 8  # optimizer steps between starting a check and reading its answer
+LAG = 8  # optimizer steps per check, and between starting a check and reading its answer
 
 
 class LossCheck:
     def __init__(self, device: torch.device, enabled: bool = True, lag: int = LAG):
         self.enabled, self.lag = enabled, lag
         self.on_gpu = device.type == "cuda"
-        # A slot per check in flight: the ranks' summed running loss, and its value once it lands
-        # in (pinned) host memory. Slots are reused in turn, never while their check is pending.
-        self.sums = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(lag)]
-        self.host = [torch.zeros((), dtype=torch.float64, pin_memory=self.on_gpu) for _ in range(lag)]
-        self.pending: deque = deque()  # (slot, collective, event, step, lr), oldest first
-        self.started = 0
+        # Two buffers in turn: one fills, step by step, while the other's check is in flight.
+        self.sums = [torch.zeros(lag, dtype=torch.float64, device=device) for _ in range(2)]
+        self.host = [torch.zeros(lag, dtype=torch.float64, pin_memory=self.on_gpu) for _ in range(2)]
+        self.filling, self.steps = 0, []  # the buffer being filled, and its entries' (step, lr)
+        self.pending = None  # the check in flight: (buffer, collective, event, [(step, lr)])
 
     def after_step(self, running_loss: torch.Tensor, step: int, lr: float) -> None:
-        """Start this step's check and, once `lag` are in flight, read the oldest:
-        `running_loss` is this rank's loss sum so far in the epoch, non-finite from the first bad
-        micro-batch on."""
+        """Note this step's `running_loss` (this rank's loss sum so far in the epoch, non-finite
+        from the first bad micro-batch on); every `lag` steps, read the check in flight and start
+        the next."""
         if not self.enabled:
             return
-        if len(self.pending) == self.lag:
-            self._read(self.pending.popleft())
-        slot = self.started % self.lag
-        self.started += 1
-        self.sums[slot].copy_(running_loss)
-        work = dist.all_reduce(self.sums[slot], async_op=True) if _distributed() else None
+        self.sums[self.filling][len(self.steps)].copy_(running_loss)
+        self.steps.append((step, lr))
+        if len(self.steps) == self.lag:
+            self._read()
+            self._start()
+
+    def settle(self) -> None:
+        """Read every pending answer now; raise NonFiniteLoss if any rank saw a non-finite loss."""
+        self._read()
+        if self.steps:
+            self._start()
+            self._read()
+
+    def _start(self) -> None:
+        sums = self.sums[self.filling]
+        work = dist.all_reduce(sums, async_op=True) if _distributed() else None
         event = None
         if self.on_gpu:
             if work:
                 work.wait()  # orders the copy after the collective on the GPU; the host does not wait
-            self.host[slot].copy_(self.sums[slot], non_blocking=True)
+            self.host[self.filling].copy_(sums, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        self.pending.append((slot, work, event, step, lr))
+        self.pending = (self.filling, work, event, self.steps)
+        self.filling, self.steps = 1 - self.filling, []
 
-    def settle(self) -> None:
-        """Read every pending answer now; raise NonFiniteLoss if any rank saw a non-finite loss."""
-        while self.pending:
-            self._read(self.pending.popleft())
-
-    def _read(self, check: tuple) -> None:
-        slot, work, event, step, lr = check
+    def _read(self) -> None:
+        if self.pending is None:
+            return
+        buffer, work, event, steps = self.pending
+        self.pending = None
         if event is not None:
             event.synchronize()
-            value = self.host[slot].item()
+            values = self.host[buffer].tolist()
         else:
             if work:
                 work.wait()
-            value = self.sums[slot].item()
-        if not math.isfinite(value):
-            self.pending.clear()  # later checks only repeat this one's answer
-            raise NonFiniteLoss(step, lr)
+            values = self.sums[buffer].tolist()
+        for (step, lr), value in zip(steps, values):
+            if not math.isfinite(value):
+                self.steps = []  # later checks only repeat this one's answer
+                raise NonFiniteLoss(step, lr)
 
 
 def _distributed() -> bool:

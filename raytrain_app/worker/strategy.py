@@ -61,20 +61,21 @@ def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, de
     # A sharded model stays where it was built (the CPU): fully_shard moves each unit to the
     # mesh's device as it shards it, so a GPU holds at most one unit whole, never the model.
     model, memory_format = place(model, tc, world_size, None if placed or sharded else device)
-    mesh = None
     if sharded:
         ranks = mesh_ranks(st, world_size, node)
-        mesh = tuple(ranks.shape)
         wrapped = shard(model, st, ranks, device)
-    elif world_size > 1:
+        train_model, cuda_graphs = compiled(wrapped, tc.compile, world_size, tc.grad_accum_steps, device, warn)
+        return Parallel(wrapped, train_model, memory_format, cuda_graphs, tuple(ranks.shape))
+    # Under DDP the model is compiled inside it, not around it: Dynamo does not trace DDP's own
+    # forward, and then compiles the module DDP calls only where its code is not torch's (a
+    # built-in nn.Sequential stayed eager). Compiled inside, it still gets DDP's bucket splitting.
+    train_model, cuda_graphs = compiled(model, tc.compile, world_size, tc.grad_accum_steps, device, warn)
+    if world_size > 1:
         # device_ids=None: a model on several devices (or the CPU) is not DDP's to place.
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" and not placed else None,
-                      bucket_cap_mb=tc.ddp_bucket_cap_mb, gradient_as_bucket_view=True,
-                      static_graph=tc.ddp_static_graph)
-    else:
-        wrapped = model
-    train_model, cuda_graphs = compiled(wrapped, tc.compile, world_size, tc.grad_accum_steps, device, warn)
-    return Parallel(wrapped if mesh else model, train_model, memory_format, cuda_graphs, mesh)
+        train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" and not placed else None,
+                          bucket_cap_mb=tc.ddp_bucket_cap_mb, gradient_as_bucket_view=True,
+                          static_graph=tc.ddp_static_graph)
+    return Parallel(model, train_model, memory_format, cuda_graphs)
 
 
 def mesh_ranks(st: StrategyConfig, world_size: int, node: str) -> torch.Tensor:
