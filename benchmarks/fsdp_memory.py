@@ -8,7 +8,7 @@ In one run, through the library API on an embedded local Ray cluster (as `raytra
 2. ddp and fsdp, each with `scaling.memory_per_worker_gb: CAP` (`--cap-gb`), trained.
 
 For each strategy the table gives the per-worker state the plan estimates
-(`raytrain_app.preflight.memory.state_bytes`: parameters, gradients, AdamW's two moments) and the peak
+(`raytrain_app.worker.memory.state_bytes`: parameters, gradients, AdamW's two moments) and the peak
 resident memory of the largest worker process (the run's `peak_memory_mib` metric, from
 `ru_maxrss`, all-reduced with MAX). Ray's `memory` resource places workers but does not enforce
 a limit, so the measured peak is what says whether a hard cap of that size would have held. The
@@ -35,7 +35,7 @@ from raytrain_app.data import build_datasets  # noqa: E402
 from raytrain_app.driver.plan import make_plan  # noqa: E402
 from raytrain_app.errors import UserError  # noqa: E402
 from raytrain_app.models import build_model  # noqa: E402
-from raytrain_app.preflight.memory import GiB, shard_group, state_bytes  # noqa: E402
+from raytrain_app.worker.memory import GiB, shard_group, state_bytes  # noqa: E402
 
 BLOCK, BATCH = 64, 2
 

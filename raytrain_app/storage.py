@@ -73,13 +73,15 @@ def write_text(path: str, text: str) -> None:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Write then rename, so a reader never sees half a file (object stores write whole objects anyway)."""
+    """A file written whole or not at all: locally, written then renamed, so a reader never sees
+    half of it; an object store writes whole objects anyway (and its rename is a copy)."""
     fs, p = filesystem_for(path)
     fs.create_dir(posixpath.dirname(p), recursive=True)
-    tmp = p + ".tmp"
+    tmp = p + ".tmp" if is_local(path) else p
     with fs.open_output_stream(tmp) as f:
         f.write(data)
-    fs.move(tmp, p)
+    if tmp != p:
+        fs.move(tmp, p)
 
 
 def read_bytes(path: str) -> bytes:

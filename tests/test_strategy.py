@@ -23,12 +23,12 @@ from raytrain_app.data import build_datasets, train_loader
 from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.models import build_model, places_itself
-from raytrain_app.preflight.memory import GiB, check_state_fits, shard_group, state_bytes
 from raytrain_app.rundir import checkpoints
 from raytrain_app.tasks import build_task
 from raytrain_app.tasks.supervised import Classification
 from raytrain_app.worker import checkpoint
 from raytrain_app.worker.loop import Precision, Step, eval_epoch, seed_everything, train_epoch
+from raytrain_app.worker.memory import GiB, check_state_fits, shard_group, state_bytes
 from raytrain_app.worker.metrics import EpochMetrics
 from raytrain_app.worker.optim import build_optimizer, build_schedule
 from raytrain_app.worker.state import TrainState

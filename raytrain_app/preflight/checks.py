@@ -19,10 +19,10 @@ def check_data_and_model(config: JobConfig):
 
     from raytrain_app.data import build_datasets, class_count, keep_on_device
     from raytrain_app.models import build_model, places_itself
-    from raytrain_app.preflight.memory import check_state_fits
     from raytrain_app.tasks import build_task, model_outputs
     from raytrain_app.tasks.custom import CustomStep, custom_metric_names
     from raytrain_app.tasks.supervised import Classification
+    from raytrain_app.worker.memory import check_state_fits
     from raytrain_app.worker.strategy import shard_units
 
     if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.workers > 1:

@@ -32,7 +32,6 @@ import tarfile
 import tempfile
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
 import torch
 
 from raytrain_app import storage
@@ -63,11 +62,15 @@ class CompileCache:
         self.path = storage.join(run_dir, COMPILE_CACHE)
         self.rank, self.key, self.report = rank, compiled_for(device), report
         # The run's own directory on this machine, under the user's TORCHINDUCTOR_CACHE_DIR if set.
-        self._before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        base = self._before or os.path.join(
-            tempfile.gettempdir(), f"torchinductor_{os.getuid()}")
+        self._before = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        base = self._before["TORCHINDUCTOR_CACHE_DIR"] or os.path.join(tempfile.gettempdir(),
+                                                                      f"torchinductor_{os.getuid()}")
         self.local = os.path.join(base, "runs", hashlib.sha1(storage.normalize(run_dir).encode()).hexdigest()[:16])
-        self.saved: set = set()
+        # Triton's kernels in it too: Inductor fixes TRITON_CACHE_DIR at a process's first Triton
+        # kernel, so a process that compiled before (a notebook's) would keep them elsewhere.
+        self.triton = (os.path.join(self.local, "triton", str(device.index or 0))
+                       if device.type == "cuda" and not self._before["TRITON_CACHE_DIR"] else None)
+        self.saved: set = set()  # what the run's archive holds
         self.counts = (0, 0)
         self.stepped = False
 
@@ -75,45 +78,49 @@ class CompileCache:
         """Before the first step compiles: Inductor compiles into the run's directory, seeded from
         the run's archive."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.local  # Inductor reads it at every lookup
+        if self.triton:
+            os.environ["TRITON_CACHE_DIR"] = self.triton
         os.makedirs(self.local, exist_ok=True)
-        self._unpack()
-        self.saved = self._files()
+        self.saved = self._unpack()
         self.counts = compile_counts()  # this process's so far: a notebook's worker may have compiled before
         # A C++ compile on a machine without CUDA warns on the console that torch found no CUDA
         # runtime: true, and nothing a CPU run needs.
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
     def close(self) -> None:
-        if self._before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = self._before
+        for key, value in self._before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
-    def _unpack(self) -> None:
+    def _unpack(self) -> set:
+        """The archive's files into the run's directory here; returns their names (none when
+        there is no archive, or it is of no use here)."""
         try:
             if not storage.exists(self.path):
-                return
+                return set()
             with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(self.path))) as tar:
                 key = json.load(tar.extractfile(tar.next()))
                 if key != self.key:
                     self.report.warn(f"compile cache ignored: compiled by torch {key.get('torch')} for "
                                      f"{key.get('device')}, and this worker runs torch {self.key['torch']} on "
                                      f"{self.key['device']}")
-                    return
-                members = tar.getmembers()[1:]
+                    return set()
+                files = [m for m in tar.getmembers()[1:] if m.isfile()]
                 # Unpacked aside, then each file renamed into place: the run's other workers on this
                 # machine unpack the same files at the same time, and none may read half of one.
                 with tempfile.TemporaryDirectory(dir=os.path.dirname(self.local)) as aside:
-                    tar.extractall(aside, members, filter="data")
-                    for m in members:
-                        if m.isfile():
-                            os.makedirs(os.path.dirname(os.path.join(self.local, m.name)), exist_ok=True)
-                            os.replace(os.path.join(aside, m.name), os.path.join(self.local, m.name))
-        except (OSError, pa.ArrowException, tarfile.TarError, ValueError) as e:
+                    tar.extractall(aside, files, filter="data")
+                    for m in files:
+                        os.makedirs(os.path.dirname(os.path.join(self.local, m.name)), exist_ok=True)
+                        os.replace(os.path.join(aside, m.name), os.path.join(self.local, m.name))
+        except Exception as e:  # noqa: BLE001 - an unreadable cache costs a compile, never the run
             self.report.warn(f"compile cache {self.path} not read ({storage.explain(e)}): compiling from scratch")
-            return
+            return set()
         if self.rank == 0:
-            self.report.say(f"compile cache: {len(members)} compiled files from {self.path}")
+            self.report.say(f"compile cache: {len(files)} compiled files from {self.path}")
+        return {m.name for m in files}
 
     def after_step(self) -> None:
         """After this process's first step, which compiled the step: what was compiled, and saved."""
@@ -125,21 +132,26 @@ class CompileCache:
         self.save()
 
     def save(self) -> None:
-        """Rank 0's: the run's Inductor directory, when it holds more than the archive."""
-        files = self._files()
-        if self.rank != 0 or files <= self.saved:
+        """Rank 0's: the run's Inductor directory, when it holds files the archive does not."""
+        if self.rank != 0:
             return
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-            key = json.dumps(self.key).encode()
-            info = tarfile.TarInfo(KEY)
-            info.size = len(key)
-            tar.addfile(info, io.BytesIO(key))
-            for name in sorted(files):
-                tar.add(os.path.join(self.local, name), name, recursive=False)
+        files = self._files()
+        if files <= self.saved:
+            return
         try:
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+                key = json.dumps(self.key).encode()
+                info = tarfile.TarInfo(KEY)
+                info.size = len(key)
+                tar.addfile(info, io.BytesIO(key))
+                for name in sorted(files):
+                    try:
+                        tar.add(os.path.join(self.local, name), name, recursive=False)
+                    except FileNotFoundError:  # a compiler's temporary file, renamed since the listing
+                        files.discard(name)
             storage.write_bytes(self.path, buffer.getvalue())
-        except (OSError, pa.ArrowException) as e:
+        except Exception as e:  # noqa: BLE001 - the cache is an optimisation: the run goes on
             self.report.warn(f"compile cache not written to {self.path} ({storage.explain(e)}); the run goes on")
             return
         self.saved = files

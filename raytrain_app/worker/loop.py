@@ -49,7 +49,6 @@ from raytrain_app.data.preprocess import recipe
 from raytrain_app.distributed import global_max
 from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.models import build_model, places_itself
-from raytrain_app.preflight.memory import check_state_fits_gpu, shard_group
 from raytrain_app.rundir import snapshot
 from raytrain_app.tasks import build_task, model_outputs
 from raytrain_app.tasks.base import Task
@@ -58,6 +57,7 @@ from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint
 from raytrain_app.worker.compile_cache import CompileCache
 from raytrain_app.worker.early_stopping import EarlyStopping
+from raytrain_app.worker.memory import check_state_fits_gpu, shard_group
 from raytrain_app.worker.metrics import EpochMetrics, Sums, Totals
 from raytrain_app.worker.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.worker.optim import build_optimizer, build_schedule, extend_schedule
@@ -144,7 +144,8 @@ def _run(w: Worker) -> None:
         report.say(f"class weights ({'auto' if job.task.class_weights == 'auto' else 'given'}): "
                    f"{task.weight.min():.3g} to {task.weight.max():.3g} over {outputs} classes")
     model = build_model(job.model, data.input_shape, outputs, ray.train.torch.get_devices())
-    if device.type == "cuda" and not places_itself(job.model):  # before the model moves to the GPU
+    offloaded = job.strategy.sharded and job.strategy.cpu_offload  # its state lives in host memory
+    if device.type == "cuda" and not places_itself(job.model) and not offloaded:  # before it moves to the GPU
         check_state_fits_gpu(model, job, shard_group(job) or ray.train.get_context().get_local_world_size(), device)
     parallel = parallelize(model, job, world_size, w.node, device, report.warn, placed=places_itself(job.model))
     seed_everything(job.seed + rank)
@@ -357,12 +358,12 @@ class AfterStep:
         self.trackers, self.marks, self.compile_cache = trackers, marks, compile_cache
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
-        if self.compile_cache:
-            self.compile_cache.after_step()
         if state.step == 1:
             marks = {**self.marks, "first_step": time.time()}
             self.report.startup(marks)
             self.trackers.startup(startup_phases(marks))
+        if self.compile_cache:
+            self.compile_cache.after_step()  # archiving is not the first step's time
         self.trackers.step(state)
         every = self.job.checkpoint.every_steps
         if every and state.step % every == 0 and not last_in_epoch:

@@ -9,7 +9,9 @@ why a measured peak is reported beside the estimate (`benchmarks/fsdp_memory.py`
 
 `scaling.memory_per_worker_gb` is Ray's `memory` resource for each worker: Ray places workers
 only where that much is unreserved, but does not stop a worker from using more. The plan
-therefore refuses a run whose state alone would not fit, which is a floor, not a promise.
+therefore refuses a run whose state alone would not fit, which is a floor, not a promise; a GPU
+worker checks the same floor against its GPU's free memory before the model moves there. Here,
+in the worker's package, because both the plan (`preflight`) and the worker use it.
 """
 
 from __future__ import annotations
