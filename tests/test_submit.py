@@ -210,8 +210,8 @@ def test_train_reuses_the_running_local_cluster_where_hsdp_replicates_across_its
 def test_a_sweep_submitted_to_the_cluster_runs_its_trials_on_both_nodes_and_best_yaml_reproduces(two_nodes, s3,
                                                                                                  tmp_path):
     """`sweep --cluster`: the sweep's driver is a Ray job on the cluster; its two one-worker trials
-    run at once, one on each 1-CPU node (a trial's function takes no CPU), and the sweep's
-    directory is in the profile's storage, here a bucket."""
+    run at once, one on each 1-CPU node (a one-worker trial trains in its own actor, which holds
+    the worker's CPU), and the sweep's directory is in the profile's storage, here a bucket."""
     _, profile = two_nodes
     profile_file = write_profile(tmp_path / "profile.yaml", local=vars(profile.local),
                                  auth={"token_file": profile.auth.token_file}, storage=f"s3://{s3.bucket}/sweeps",

@@ -41,30 +41,42 @@ from raytrain_app.worker import local as worker
 from raytrain_app.worker.loop import WorkerArgs
 
 
-def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connected: bool) -> bool:
-    """Whether the run goes through local mode: as `scaling.local` says, and where it says auto,
-    whenever nothing Ray brings is asked for and no local cluster is up to join. Asked for by
-    name, what it cannot do is refused."""
+def cannot(config: JobConfig, address: Optional[str] = None, min_nodes: int = 1) -> list[str]:
+    """What in the job needs Ray Train's own workers, in words (none: local mode can run it)."""
     s = config.scaling
-    cannot = [reason for given, reason in (
+    return [reason for given, reason in (
         (bool(config.script), "a script runs under Ray Train's controller"),
         (config.data.engine == "ray_data", "data.engine ray_data needs a Ray cluster"),
         (bool(address) or min_nodes > 1, "--address and --min-nodes join a Ray cluster"),
         (s.gpus_per_worker not in (0, 1), f"gpus_per_worker {s.gpus_per_worker:g}: local mode gives each worker "
                                           "one whole GPU or none"),
     ) if given]
-    if s.local is True and cannot:
-        raise UserError(f"--local (scaling.local: true): {cannot[0]}; drop --local, or what needs Ray")
+
+
+def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connected: bool) -> bool:
+    """Whether the run goes through local mode: as `scaling.local` says, and where it says auto,
+    whenever nothing Ray brings is asked for and no local cluster is up to join. Asked for by
+    name, what it cannot do is refused."""
+    s = config.scaling
+    cannot_here = cannot(config, address, min_nodes)
+    if s.local is True and cannot_here:
+        raise UserError(f"--local (scaling.local: true): {cannot_here[0]}; drop --local, or what needs Ray")
     if s.local == "auto":  # a cluster this process joined, or that `cluster up` started, is there to be used
-        return not (cannot or ray_connected or os.environ.get("RAY_ADDRESS")
+        return not (cannot_here or ray_connected or os.environ.get("RAY_ADDRESS")
                     or running_local_cluster(s.workers, s.cpus_per_worker, s.gpus_per_worker))
     return s.local
 
 
-def fresh_events(workers: int):
+def in_this_process(config: JobConfig, trial: bool) -> bool:
+    """One worker runs in this process, but not in a sweep's trial: Ray Train refuses its API
+    (`get_context`) inside a Tune function, so a trial's one worker is a process of its own."""
+    return config.scaling.workers == 1 and not trial
+
+
+def fresh_events(in_process: bool):
     """(the driver's end, the workers' end) of the channel rank 0's console events take: a queue
     for the worker in this process, an inbox on loopback for worker processes."""
-    if workers == 1:
+    if in_process:
         events = queue.Queue()
         return events, events
     inbox = Inbox()
@@ -108,7 +120,7 @@ class Inbox:
 
 
 def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], Optional[str]],
-        on_restart: Callable[[str, str], None]) -> None:
+        on_restart: Callable[[str, str], None], in_process: bool) -> None:
     """Train, restarting the whole group from the latest checkpoint after a failure, up to
     `failure.max_failures` times (`on_restart` hears the cause and the console's line); raises
     TrainingFailed with the last failure after that. Worker
@@ -118,7 +130,7 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
     while True:
         try:
             with worker_environment(config.scaling):
-                if config.scaling.workers == 1:
+                if in_process:
                     worker.train(args)
                 else:
                     _launch(args, config.scaling.workers, os.path.join(log_dir, "local"), f"launch-{failures + 1}")
@@ -205,12 +217,16 @@ def _quiet_launcher():
 def worker_environment(scaling):
     """Each worker computes on as many threads as Ray would give it (its CPUs): the same numbers
     under both, and N workers that do not fight over the cores. Workers given no GPU see none:
-    Ray Train's local mode would take a GPU it finds (and NCCL with it)."""
+    Ray Train's local mode would take a GPU it finds (and NCCL with it). Worker processes get
+    this process's import path."""
     import torch
 
     threads = max(1, int(scaling.cpus_per_worker))
     settings = {"OMP_NUM_THREADS": str(threads), **({"CUDA_VISIBLE_DEVICES": ""} if not scaling.gpus_per_worker
-                                                     else {})}
+                                                     else {}),
+                # Worker processes import what this process can: Ray puts its driver's directory on
+                # its workers' path, and Tune runs a trial's function in the trial's own folder.
+                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     before_env, before = {k: os.environ.get(k) for k in settings}, torch.get_num_threads()
     os.environ.update(settings)  # the worker processes' (torch reads them when it loads)
     torch.set_num_threads(threads)  # this process's: the one in-process worker

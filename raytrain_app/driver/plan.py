@@ -30,6 +30,7 @@ class RunPlan:
     warnings: tuple[str, ...] = ()  # what the user should hear before the run starts
     lease: Optional[Lease] = None  # the run directory's, held from the plan to the end of the run
     local: bool = False  # through Ray Train's local mode, with no Ray cluster (driver/local.py)
+    trial: bool = False  # a sweep's trial, inside Ray Tune
 
     @property
     def log_dir(self) -> str:
@@ -64,14 +65,14 @@ def make_plan(config: JobConfig, run_dir: Optional[str] = None, resume: Union[bo
     held = Lease.acquire(run_dir, "sweep trial" if sweep_trial else "train", warn)
     try:
         storage.check_writable(run_dir)  # a full or read-only volume, now, not at the first checkpoint
-        return _checked(config, run_dir, resume, source, held, local)
+        return _checked(config, run_dir, resume, source, held, local, sweep_trial)
     except BaseException:
         held.release()
         raise
 
 
 def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: str, held: Lease,
-             local: bool) -> RunPlan:
+             local: bool, trial: bool) -> RunPlan:
     """The plan's checks, with the run directory's lease held; nothing in it changes until they pass."""
     # Ray Train writes its index after every checkpoint: something to resume, and no fresh start here.
     has_checkpoint = storage.exists(storage.join(run_dir, SNAPSHOT))
@@ -97,7 +98,7 @@ def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: 
     if config.strategy.sharded and config.scaling.workers == 1:
         warnings.append(f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
                         "unsharded")
-    return RunPlan(config, run_dir, bool(resume), tuple(warnings), held, local)
+    return RunPlan(config, run_dir, bool(resume), tuple(warnings), held, local, trial)
 
 
 def _latest_or_new_run_dir(name: str, resume: bool) -> str:

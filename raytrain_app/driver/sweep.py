@@ -3,9 +3,11 @@
 Each trial's function trains as `train` does (`make_plan`, `run_training`), in a run directory
 of its own under the sweep's, and hands rank 0's epoch reports to Tune with Ray's
 `TuneReportCallback` (Ray's pattern for Train V2: the trial function runs the TorchTrainer). A
-trial is therefore an ordinary run: metrics.jsonl, checkpoints, report.png, `runs` and `report`
-read it. Tune samples the settings, runs as many trials at once as the cluster holds, and with
-ASHA stops the weak ones after their first epochs.
+one-worker trial trains in local mode instead, its worker a process of the trial's own, and the
+same callback hears its epochs (`trains_in_trial`). A trial is therefore an ordinary run:
+metrics.jsonl, checkpoints, report.png, `runs` and `report` read it. Tune samples the settings,
+runs as many trials at once as the cluster holds, and with ASHA stops the weak ones after their
+first epochs.
 
 The sweep directory describes itself (`sweep.json`: the job, the parameters, the scheduler), so
 `--resume DIR` needs nothing else. Tune restarts unfinished trials, and each continues from its
@@ -33,6 +35,7 @@ from raytrain_app.config import JobConfig, nested, updated
 from raytrain_app.config.resolve import resolve_auto
 from raytrain_app.config.sections import metric_mode
 from raytrain_app.console import columns
+from raytrain_app.driver import local
 from raytrain_app.driver.params import Param
 from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import TrainingFailed, UserError, last_line
@@ -52,6 +55,19 @@ SPEC_FILE, BEST_FILE = "sweep.json", "best.yaml"
 # A trial's function only waits on its TorchTrainer, so it takes no CPU (else a one-CPU node
 # could not hold a trial and its worker); Tune's placement group needs something in its bundle.
 TRIAL_DRIVER = {"cpu": 0, "memory": 1}
+
+
+def trains_in_trial(config: JobConfig) -> bool:
+    """A one-worker trial trains in its own Tune actor, through local mode: Ray Train's controller
+    and worker actors would cost it seconds of start-up, and a sweep runs many trials. Its
+    actor then holds the worker's CPUs (and GPU). A trial of more workers, or of a job that needs
+    Ray Train's workers, runs a TorchTrainer as `train` does on a cluster."""
+    return config.scaling.workers == 1 and config.scaling.local is not False and not local.cannot(config)
+
+
+def trial_resources(config: JobConfig) -> dict:
+    s = config.scaling
+    return {"cpu": s.cpus_per_worker, "gpu": s.gpus_per_worker} if trains_in_trial(config) else TRIAL_DRIVER
 @dataclass(frozen=True)
 class Sweep:
     """What `sweep.json` holds: everything a resume needs."""
@@ -234,7 +250,7 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
     """Run (or resume) the sweep on the cluster this process is connected to, which has `cpus` and
     `gpus`."""
     trainable = tune.with_resources(tune.with_parameters(_trial, sweep=sweep, sweep_dir=sweep_dir),
-                                    TRIAL_DRIVER)
+                                    lambda settings: trial_resources(sweep.trial_config(settings)))
     parent, name = os.path.dirname(sweep_dir.rstrip("/")), os.path.basename(sweep_dir.rstrip("/"))
     run_config = tune.RunConfig(storage_path=parent, name=name, verbose=1 if verbose else 0,
                                 callbacks=[_Progress(sweep, echo)])
@@ -250,7 +266,8 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
         tuner = tune.Tuner(
             trainable, param_space={p.key: p.space() for p in sweep.params},
             # The limit goes to the sampler: Tune ignores max_concurrent_trials beside a sampler given.
-            tune_config=tune.TuneConfig(num_samples=sweep.samples, scheduler=scheduler,
+            # A stopped trial's actor ends, and with it a trial that trains in it (not reused).
+            tune_config=tune.TuneConfig(num_samples=sweep.samples, scheduler=scheduler, reuse_actors=False,
                                         trial_dirname_creator=_trial_dirname, trial_name_creator=_trial_dirname,
                                         search_alg=BasicVariantGenerator(random_state=sweep.seed,
                                                                          max_concurrent=concurrent)),
@@ -326,7 +343,7 @@ def _trial(settings: dict, sweep: Sweep, sweep_dir: str) -> None:
 
     run_dir = storage.join(sweep_dir, os.path.basename(tune.get_context().get_trial_dir()))
     config = sweep.trial_config(settings)
-    run_training(make_plan(config, run_dir=run_dir, resume="if_any", sweep_trial=True),
+    run_training(make_plan(config, run_dir=run_dir, resume="if_any", sweep_trial=True, local=trains_in_trial(config)),
                  callbacks=[_EpochReports(config.train.epochs)])
 
 

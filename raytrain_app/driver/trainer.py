@@ -74,7 +74,8 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     rundir.record_status(plan.run_dir, "running")
 
     if plan.local:
-        events, sent_to = local.fresh_events(config.scaling.workers)
+        in_process = local.in_this_process(config, plan.trial)
+        events, sent_to = local.fresh_events(in_process)
         restarts = None
     else:
         _ray_train_settings(config)
@@ -84,13 +85,15 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=sent_to, progress=progress,
                       log_dir=storage.join(plan.run_dir, "logs"),
                       cwd=None if not plan.local and shipped_working_dir() else os.getcwd(),
-                      restarts=restarts, marks=marks, local=plan.local)
+                      restarts=restarts, marks=marks, local=plan.local,
+                      node=ray.get_runtime_context().get_node_id() if plan.local and plan.trial else None)
+    # In local mode no Ray Train controller calls `callbacks`: the listener hands them each epoch's report.
     listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
-                             storage.join(plan.run_dir, "startup.json"))
+                             storage.join(plan.run_dir, "startup.json"), callbacks if plan.local else ())
     listener.start()
     try:
         if plan.local:
-            final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo)
+            final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
         else:
             final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
@@ -146,14 +149,14 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
 
 
 def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str, listener: "EventListener",
-                 echo) -> Optional[str]:
+                 echo, in_process: bool) -> Optional[str]:
     """Ray Train's local mode runs the loop here (see `local.py`); returns the final checkpoint's URI."""
     def restarting(why: str, line: str) -> None:
         echo(f"warning: {line}")
         rundir.record_restart(run_dir, "restart", why)
 
     try:
-        local.run(args, config, log_dir, lambda: snapshot.latest(run_dir), restarting)
+        local.run(args, config, log_dir, lambda: snapshot.latest(run_dir), restarting, in_process)
     except CheckpointNotWritten as e:
         raise TrainingFailed(_unwritten(e, run_dir)) from None
     finally:
@@ -229,10 +232,10 @@ class EventListener(threading.Thread):
     """Drains rank 0's events while fit() blocks the main thread."""
 
     def __init__(self, events: Queue, log: rundir.MetricsLog, progress: Progress, epochs: int, echo, marks: dict,
-                 startup_file: str):
+                 startup_file: str, callbacks: Sequence[UserCallback] = ()):
         super().__init__(daemon=True)
         self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
-        self.marks, self.startup_file = marks, startup_file
+        self.marks, self.startup_file, self.callbacks = marks, startup_file, callbacks
         self.nonfinite: Optional[dict] = None  # where the workers stopped at a non-finite loss
         self.stopped_early: Optional[str] = None  # why train.early_stopping ended the run
         self._stop_event = threading.Event()
@@ -276,6 +279,8 @@ class EventListener(threading.Thread):
         elif kind == "epoch":
             self.log.add(payload)
             self.echo(epoch_line(payload, self.epochs))
+            for callback in self.callbacks:
+                callback.after_report(None, [payload], None)
         elif kind == "stopped_early":
             self.stopped_early = f"stopped early after epoch {payload['epoch']}: {payload['reason']}"
             self.echo(self.stopped_early)

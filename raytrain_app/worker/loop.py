@@ -79,6 +79,7 @@ class WorkerArgs:
     restarts: Any = None  # a script run's script.RestartCount actor
     marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
     local: bool = False  # Ray Train's local mode: no controller keeps checkpoints, the loop does (driver/local.py)
+    node: Optional[str] = None  # the Ray node a local-mode worker runs on, inside a sweep's trial
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
@@ -92,7 +93,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     report = Reporter(args.events, rank, args.log_dir, args.progress)
-    node = socket.gethostname() if args.local else ray.get_runtime_context().get_node_id()
+    node = args.node or (socket.gethostname() if args.local else ray.get_runtime_context().get_node_id())
     report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
     try:
         _run(Worker(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
