@@ -68,6 +68,8 @@ def trains_in_trial(config: JobConfig) -> bool:
 def trial_resources(config: JobConfig) -> dict:
     s = config.scaling
     return {"cpu": s.cpus_per_worker, "gpu": s.gpus_per_worker} if trains_in_trial(config) else TRIAL_DRIVER
+
+
 @dataclass(frozen=True)
 class Sweep:
     """What `sweep.json` holds: everything a resume needs."""
