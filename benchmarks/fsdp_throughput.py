@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,7 @@ from raytrain_app.worker.nonfinite import LossCheck
 from raytrain_app.worker.optim import build_optimizer, build_schedule
 from raytrain_app.worker.state import TrainState
 from raytrain_app.worker.strategy import shard
+from step_overhead import alternate  # this folder's: run as a script, as step_overhead.py is
 
 
 def main() -> None:
@@ -106,15 +106,6 @@ def main() -> None:
             hand_opt.step()
             hand_opt.zero_grad(set_to_none=True)
 
-    def timed(fn, epoch: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(epoch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / args.steps
-
     run_ours(0), run_hand(0)  # warm-up: allocator, kernels, caches
     peak = peak_flops(torch.cuda.get_device_name(device), "bf16") if device.type == "cuda" else None
     params = sum(p.numel() for p in base.parameters())
@@ -124,17 +115,13 @@ def main() -> None:
           f"{args.repeats} repeats")
     ratios = []
     for repeat in range(args.repeats):
-        times = {"raytrain-app": [], "hand-written FSDP2": []}
-        for r in range(1, args.rounds + 1):
-            order = [("raytrain-app", run_ours), ("hand-written FSDP2", run_hand)]
-            for name, fn in (order if r % 2 else order[::-1]):
-                times[name].append(timed(fn, r))
+        med = alternate({"raytrain-app": run_ours, "hand-written FSDP2": run_hand}, device, args.steps, args.rounds)
         cells = []
-        for name, ts in times.items():
-            tokens_s = args.batch * args.block / statistics.median(ts)
+        for name, step_s in med.items():
+            tokens_s = args.batch * args.block / step_s
             mfu = f", MFU {100 * tokens_s * flops / peak:.1f}%" if peak else ""
             cells.append(f"{name} {tokens_s:,.0f} tokens/s{mfu}")
-        ratios.append(statistics.median(times["hand-written FSDP2"]) / statistics.median(times["raytrain-app"]))
+        ratios.append(med["hand-written FSDP2"] / med["raytrain-app"])
         print(f"  repeat {repeat + 1}: " + "; ".join(cells) + f"; ratio {ratios[-1]:.3f}")
     print(f"  throughput raytrain-app / hand-written FSDP2: median {statistics.median(ratios):.3f}, "
           f"range {min(ratios):.3f} to {max(ratios):.3f} over {len(ratios)} repeats")

@@ -116,26 +116,12 @@ def main() -> None:
                 loss.backward()
                 hand_opt.step()
 
-    def timed(fn, epoch: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(epoch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / args.steps
-
     run_ours(0), run_hand(0)  # warm-up: allocator, kernels, caches
     print(f"{args.model} batch {args.batch} {args.precision} on {args.device}, torch threads "
           f"{torch.get_num_threads()}, {args.steps} steps x {args.rounds} rounds x {args.repeats} repeats")
     ratios = []
     for repeat in range(args.repeats):
-        times = {"raytrain-app": [], "hand-written": []}
-        for r in range(1, args.rounds + 1):
-            order = [("raytrain-app", run_ours), ("hand-written", run_hand)]
-            for name, fn in (order if r % 2 else order[::-1]):
-                times[name].append(timed(fn, r))
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = alternate({"raytrain-app": run_ours, "hand-written": run_hand}, device, args.steps, args.rounds)
         ratios.append(med["raytrain-app"] / med["hand-written"])
         print(f"  repeat {repeat + 1}: " + ", ".join(f"{name} {t * 1e3:.2f} ms/step" for name, t in med.items())
               + f", ratio {ratios[-1]:.3f}")
@@ -144,6 +130,23 @@ def main() -> None:
     if args.profile:
         for name, fn in (("raytrain-app", run_ours), ("hand-written", run_hand)):
             print_profile(name, fn, device, args.steps)
+
+
+def alternate(loops: dict, device: torch.device, steps: int, rounds: int) -> dict[str, float]:
+    """Each loop's median seconds per step over `rounds` epochs of `steps` steps, the loops run in
+    turn and in alternating order, so that machine noise hits them alike (`fsdp_throughput.py`
+    times its loops with it too)."""
+    times: dict = {name: [] for name in loops}
+    for r in range(1, rounds + 1):
+        for name, run_epoch in (list(loops.items()) if r % 2 else list(loops.items())[::-1]):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run_epoch(r)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def cross_entropy_step(model, batch):
