@@ -168,6 +168,8 @@ def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_e
     assert ran.returncode == 0, ran.stdout + ran.stderr
     rows = table_of(ran.stdout)
     assert len(rows) == 2 and {row[-1] for row in rows.values()} == {"finished"}
+    # One-worker trials train in local mode (no Ray Train workers): the launcher's logs are there.
+    assert all((tmp_path / "ran" / name / "logs" / "local").is_dir() for name in rows), ran.stdout
     for name, row in rows.items():
         settings = yaml.safe_load(open(tmp_path / "ran" / name / "config.yaml"))
         lr, momentum = settings["optimizer"]["lr"], settings["optimizer"]["momentum"]
