@@ -84,11 +84,19 @@ _EXIT_DETAIL = re.compile(r"Worker exit detail: ([^\n]+?)(?: The (?:process|work
 _IP = re.compile(r"(?<![A-Za-z])ip[=:]\s*'?([0-9a-fA-F.:]+[0-9a-fA-F])")
 _PID = re.compile(r"\bpid[=:]\s*(\d+)")
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+# A collective that broke because a peer's process went away: Gloo's and NCCL's words for it.
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
+                        r"communicator was aborted", re.IGNORECASE)
 
 
 def process_died(e: BaseException) -> bool:
     """The worker's process is gone (killed, crashed, OOM), as opposed to raising an exception."""
     return bool(_EXIT_DETAIL.search(str(e)))
+
+
+def peer_gone(e: BaseException) -> bool:
+    """The exception is a collective's, broken by a peer that died: an effect, not the cause."""
+    return bool(_PEER_GONE.search(str(e)))
 
 
 def timed_out(e: BaseException) -> bool:

@@ -16,6 +16,8 @@ import psutil
 import pytest
 import yaml
 
+from raytrain_app.api import job_config
+from raytrain_app.driver import sweep as sweeps
 from tests.commands import command
 from tests.conftest import REPO, sweep_table
 
@@ -37,6 +39,7 @@ def session_processes(leader: int) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.usefixtures("ray_cluster")  # the library's sweep runs on it
 def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # A real process in a session of its own, as a terminal runs it: Ctrl-C goes to its whole group.
@@ -71,17 +74,20 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
         time.sleep(0.5)
     assert json.load(open(sweep_dir / stopped / "run.json"))["status"] == "stopped early"  # for `runs`, too
 
-    resumed = command(["sweep", "--resume", str(sweep_dir)], REPO, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # The resume through the library, on the session's cluster (a sweep's own is tested above).
+    said = []
+    outcome = sweeps.run(sweeps.Sweep.load(str(sweep_dir)), str(sweep_dir), resume=True, echo=said.append)
+    resumed = "\n".join(said)
+    assert not outcome.interrupted and outcome.best_file, resumed
     # Sent to a cluster, whose job runs in its own working_dir, a relative SWEEP_DIR goes absolute.
     plan = command(["sweep", "--resume", "sweep", "--cluster", os.path.join(REPO, "cluster", "local-2node.yaml"),
                     "--dry-run"], tmp_path)
     assert re.search(rf"^entrypoint +python -m raytrain_app.cli sweep --resume {sweep_dir} ", plan.stdout, re.M), \
         plan.stdout + plan.stderr
-    rows = sweep_table(resumed.stdout)
+    rows = sweep_table(resumed)
     assert sorted(rows) == ["trial-00000", "trial-00001", "trial-00002", "trial-00003"]
     statuses = {name: row[-1] for name, row in rows.items()}
-    assert statuses[stopped] == "stopped early" and "finished" in statuses.values(), resumed.stdout
+    assert statuses[stopped] == "stopped early" and "finished" in statuses.values(), resumed
     for name, status in statuses.items():  # after the resume ASHA may cut another: its record starts afresh
         epochs = [json.loads(line)["epoch"] for line in open(sweep_dir / name / "metrics.jsonl")]
         assert epochs == list(range(1, len(epochs) + 1))  # a resumed trial went on, and repeated no epoch
@@ -99,7 +105,7 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
     at_cut = {name: a[cut_at - 1] for name, a in accuracy.items() if len(a) >= cut_at and name != stopped}
     assert accuracy[stopped][cut_at - 1] < max(at_cut.values()), (accuracy, stopped, cut_at)
     best_name, best_row = next(iter(rows.items()))
-    assert f"best: {best_name}, eval_accuracy {float(best_row[1]):.4f}" in resumed.stdout
+    assert f"best: {best_name}, eval_accuracy {float(best_row[1]):.4f}" in resumed
     best = yaml.safe_load(open(sweep_dir / "best.yaml"))
     assert best["optimizer"]["lr"] == float(rows[best_name][0]) and best["checkpoint"]["metric"] == "eval_accuracy"
     assert best["optimizer"]["lr"] in (0.05, 0.03, 0.02)
@@ -158,18 +164,24 @@ PARAMS = ["--param", "optimizer.lr=loguniform:0.01:0.2", "--param", "optimizer.m
           "--param", "model.args.hidden=choice:[16],[32]", "--param", "train.batch_size=randint:30:70"]
 
 
+@pytest.mark.usefixtures("ray_cluster")  # the library's sweep runs on it
 def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_every_trial_fails(tmp_path):
     """Two samples of every distribution, run to the end (fifo), ranked by eval_loss (lower first);
     then the same command, its model made to crash: the same seed draws the same settings, and a
     sweep whose every trial failed exits 1."""
     common = ["sweep", "examples/digits.yaml", *PARAMS, "--samples", "2", "--workers", "1", "--max-concurrent", "1",
               "--scheduler", "fifo", "--metric", "eval_loss", "--set", "train.epochs=1", "--set", "model.name=mlp"]
-    ran = command([*common, "--sweep-dir", str(tmp_path / "ran")], REPO, timeout=300)
-    assert ran.returncode == 0, ran.stdout + ran.stderr
-    rows = table_of(ran.stdout)
+    # Through the library on the session's cluster; then the same sweep's command (its own cluster).
+    said = []
+    _, config = job_config(os.path.join(REPO, "examples", "digits.yaml"),
+                           ["scaling.workers=1", "train.epochs=1", "model.name=mlp"])
+    plan = sweeps.plan_for(config, PARAMS[1::2], 2, "fifo", "eval_loss", None, 1)
+    sweeps.run(plan, str(tmp_path / "ran"), echo=said.append)
+    ran = "\n".join(said)
+    rows = table_of(ran)
     assert len(rows) == 2 and {row[-1] for row in rows.values()} == {"finished"}
     # One-worker trials train in local mode (no Ray Train workers): the launcher's logs are there.
-    assert all((tmp_path / "ran" / name / "logs" / "local").is_dir() for name in rows), ran.stdout
+    assert all((tmp_path / "ran" / name / "logs" / "local").is_dir() for name in rows), ran
     for name, row in rows.items():
         settings = yaml.safe_load(open(tmp_path / "ran" / name / "config.yaml"))
         lr, momentum = settings["optimizer"]["lr"], settings["optimizer"]["momentum"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import re
 import secrets
@@ -151,25 +152,46 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
                             f"(restart {failures} of {'unlimited' if limit == -1 else limit})")
 
 
+# What the fork server that starts worker processes imports once, so that a launch (and every
+# restart's) does not pay torch's import per worker. Not the caller's `__main__`, which a
+# notebook's or a script's `fit()` would not survive being re-run.
+PRELOAD = ["torch"]
+
+
+def start_fork_server() -> None:
+    """Start the worker processes' fork server now, so that it imports torch while this process
+    plans the run: a launch then forks workers that have it loaded."""
+    import multiprocessing.forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
 def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
-    """N fresh interpreters through torch's elastic launcher, as `torchrun --standalone` starts them."""
+    """N worker processes through torch's elastic launcher, as `torchrun --standalone` starts
+    them, each forked from a server that has torch loaded (see `start_fork_server`)."""
     from ray import cloudpickle
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    start_fork_server()  # if it is not up already
     with tempfile.TemporaryDirectory(prefix="raytrain-local-") as scratch, _quiet_launcher():
         # The launcher's files (each rank's output, and the error file it reads back to say why a
         # rank failed) start in scratch space: on a full run directory they could not be written.
         logs = os.path.join(scratch, "logs")
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=name, rdzv_backend="c10d",
                               rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                              logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL))
+                              start_method="forkserver", logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL))
         arguments = os.path.join(scratch, "worker-args.pkl")  # private to this user: it holds the inbox's key
         with open(arguments, "wb") as f:
+            # This process's environment and import path now, which the fork server took when it started.
+            pickle.dump((dict(os.environ), sys.path), f)
             cloudpickle.dump(args, f)
         try:
-            elastic_launch(config, sys.executable)("-m", worker.__name__, arguments)
+            with _main_script_hidden():
+                elastic_launch(config, worker.main)(arguments)
         except SignalException as e:  # the launcher's word for a signal: Ctrl-C, or a scheduler's SIGTERM
             if e.sigval in (signal.SIGINT, signal.SIGTERM):
                 raise KeyboardInterrupt from None
@@ -202,15 +224,34 @@ def _reason(e: Exception) -> str:
 
 
 @contextmanager
-def _quiet_launcher():
-    """The launcher's own account of a failure (its log lines) is said in one line by `_reason`."""
-    launcher = logging.getLogger("torch.distributed.elastic")
-    before = launcher.level
-    launcher.setLevel(logging.CRITICAL)
+def _main_script_hidden():
+    """multiprocessing re-runs the caller's main script in each process it starts, where the main
+    module names a file or module; a notebook's or a script's `fit()` (no `__main__` guard) would
+    not survive that. The workers need nothing from it: their function and arguments are given."""
+    main = sys.modules["__main__"]
+    spec, path = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
     try:
         yield
     finally:
-        launcher.setLevel(before)
+        main.__spec__ = spec
+        if path is not None:
+            main.__file__ = path
+
+
+@contextmanager
+def _quiet_launcher():
+    """The launcher's own account of a failure (its log lines, and those of the process group it
+    starts the workers in) is said in one line by `_reason`."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    before = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, before):
+            logger.setLevel(level)
 
 
 @contextmanager

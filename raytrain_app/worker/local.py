@@ -1,12 +1,14 @@
-"""A local-mode worker process: what torch's launcher runs as each rank (`python -m
-raytrain_app.worker.local ARGS`), as torchrun runs a script. Ray Train's local mode
-(`ScalingConfig(num_workers=0)`) reads torchrun's environment, joins the process group and runs
-the same `train_loop_per_worker` as a Ray Train worker; see `driver/local.py` for the driver's side.
+"""A local-mode worker process: what torch's launcher runs as each rank (`main`), as torchrun
+runs a script. Ray Train's local mode (`ScalingConfig(num_workers=0)`) reads torchrun's
+environment, joins the process group and runs the same `train_loop_per_worker` as a Ray Train
+worker; see `driver/local.py` for the driver's side.
 
-A fresh interpreter, not a fork or a `multiprocessing` spawn: a spawn re-runs the caller's main
-script, which a notebook's or a script's `fit()` would not survive. The worker's arguments come
-in a file, cloudpickled as Ray pickles them (a notebook's builder functions travel by value), and
-rank 0's console events go back to the driver over one authenticated loopback connection.
+The process is forked from a server that imported torch, not from the driver (whose threads a
+fork would copy mid-flight) and not a spawn (which re-runs the caller's main script, which a
+notebook's or a script's `fit()` would not survive). So what the driver's environment says is set
+here again. The worker's arguments come in a file, cloudpickled as Ray pickles them (a notebook's
+builder functions travel by value), and rank 0's console events go back to the driver over one
+authenticated loopback connection.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import sys
+import time
 from multiprocessing.connection import Client
 from typing import Optional
 
+from raytrain_app.errors import peer_gone
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
 
 
@@ -57,20 +62,42 @@ def in_local_mode(function, name: Optional[str] = None) -> None:
                  run_config=ray.train.RunConfig(name=name)).fit()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+# How long a rank whose collective a dead peer broke waits before it ends.
+PEER_GRACE_S = 2.0
+
+# What torch's launcher sets for each rank, which a driver running under torchrun itself has too.
+_LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def main(arguments: str) -> None:
+    """One rank, from the arguments file the driver wrote; the launcher records an exception's
+    last line, and names the rank it failed on."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed.distributed_c10d as c10d
-    from ray import cloudpickle
-    from torch.distributed.elastic.multiprocessing.errors import record
 
-    with open((argv or sys.argv)[1], "rb") as f:
+    with open(arguments, "rb") as f:
+        environment, path = pickle.load(f)
+        # The driver's environment and import path at this launch (the fork server has those of
+        # its own start); the launcher's variables, this rank's, stay.
+        os.environ.update({k: v for k, v in environment.items()
+                           if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")})
+        sys.path[:] = path
+        from ray import cloudpickle
+
         args = cloudpickle.load(f)
+    # The launcher passes on the driver's OMP_NUM_THREADS (see driver/local.worker_environment),
+    # which torch, loaded before it was set, reads only now.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     # Ray Train's local mode joins the group with torch's default timeout (30 min); the job's
     # scaling.timeout_s goes in as this process's default, the one way into its env:// start.
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=args.job["scaling"]["timeout_s"])
-    record(train)(args)  # an exception's last line reaches the launcher, which names the rank it failed on
+    try:
+        train(args)
+    except Exception as e:
+        if peer_gone(e):  # the launcher names the first rank it sees end: let that be the one that died
+            time.sleep(PEER_GRACE_S)
+        raise
 
-
-if __name__ == "__main__":
-    main()
