@@ -53,3 +53,19 @@ def route_raylet_errors(sink: Callable[[str], None]) -> None:
 def put_nowait(queue, item) -> None:
     """Queue an item without waiting for the queue actor's answer (`Queue.put` waits for it)."""
     queue.actor.put_nowait.remote(item)
+
+
+def placement_timed_out(error: BaseException) -> bool:
+    """Ray Train gave up waiting for the cluster to place a (re)started worker group (its
+    start-up timeout, which `failure.placement_timeout_s` sets)."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    return isinstance(error, WorkerGroupStartupTimeoutError)
+
+
+def draining_nodes() -> set[str]:
+    """The ids of the connected cluster's nodes being drained (preempted, or scaled down): alive
+    still, but taking no new workers."""
+    from ray._private.state import state
+
+    return set(state.get_draining_nodes())

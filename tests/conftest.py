@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Ray Data, a script under Ray Train's controller); elsewhere a test that needs Ray asks for the
 # session's cluster (`ray_cluster`). Both are marked `ray`: `pytest -m "not ray"` runs the rest.
 RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test_two_hosts", "test_local_clusters",
-               "test_raydata", "test_scripts", "test_rayinternals"}
+               "test_raydata", "test_scripts", "test_rayinternals", "test_preemption"}
 
 
 def pytest_collection_modifyitems(items):

@@ -12,6 +12,9 @@ PRIVATE = [
     ("ray._raylet", "Config.initialize",
      "re-reading the auth mode when Ray was loaded before a joined cluster's token was set"),
     ("ray.util.queue", "_QueueActor.put_nowait", "queueing console events without waiting for the actor"),
+    ("ray.train.v2._internal.exceptions", "WorkerGroupStartupTimeoutError",
+     "telling a worker group the cluster could not place (failure.placement_timeout_s) from other failures"),
+    ("ray._private.state", "state.get_draining_nodes", "leaving nodes being drained out of what a cluster can hold"),
 ]
 
 

@@ -47,7 +47,7 @@ def check_workers_fit(nodes: list[Node], config: JobConfig) -> None:
     fit = workers_that_fit(nodes, s.cpus_per_worker, s.gpus_per_worker, s.resources.get("memory", 0))
     if fit < s.workers:
         raise UserError(f"the cluster holds {fit} workers of {_worker(s)} each, not {s.workers}: it has "
-                        f"{_alive_summary(nodes)}")
+                        f"{describe_capacity(nodes)}")
     _check_spare(nodes, s.workers * s.cpus_per_worker, spare_cpus(config))
 
 
@@ -64,7 +64,7 @@ def check_shape_fits(nodes: list[Node], node_count: int, per_node: int, config: 
         short = ("GPUs" if need_gpus and sum(n.gpus >= need_gpus for n in alive) < node_count else
                  "memory" if need_memory and sum(n.memory >= need_memory for n in alive) < node_count else "CPUs")
         raise UserError(f"not enough {short}: the job needs {node_count} nodes with {what} each; "
-                        f"the cluster has {_alive_summary(alive)}")
+                        f"the cluster has {describe_capacity(alive)}")
     _check_spare(alive, need_cpus * node_count, spare_cpus(config))
 
 
@@ -76,8 +76,8 @@ def _worker(s: ScalingConfig) -> str:
 def _check_spare(nodes: list[Node], taken: float, spare: float) -> None:
     if spare and sum(n.cpus for n in nodes if n.alive) - taken < spare:
         raise UserError(f"data.engine: ray_data reads with Ray Data tasks, which need {spare:g} CPU besides the "
-                        f"workers' {taken:g}: the cluster has {_alive_summary(nodes)} (lower scaling.workers, or use "
-                        "data.engine: native)")
+                        f"workers' {taken:g}: the cluster has {describe_capacity(nodes)} (lower scaling.workers, or "
+                        "use data.engine: native)")
 
 
 def connected_nodes() -> list[Node]:
@@ -90,7 +90,8 @@ def connected_nodes() -> list[Node]:
             for n in ray.nodes()]
 
 
-def _alive_summary(nodes: list[Node]) -> str:
+def describe_capacity(nodes: list[Node]) -> str:
+    """"2 nodes: 0 GPUs/1 CPUs, 0 GPUs/1 CPUs": the alive nodes' resources."""
     alive = [n for n in nodes if n.alive]
     listed = ", ".join(f"{n.gpus:g} GPUs/{n.cpus:g} CPUs" for n in alive) or "none"
     return f"{len(alive)} nodes: {listed}"

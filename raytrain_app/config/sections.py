@@ -288,6 +288,15 @@ class ScalingConfig(Section):
 
 class FailureConfig(Section):
     max_failures: int = Field(0, ge=-1, description="worker-group restarts before the run fails (-1: unlimited)")
+    max_preemption_failures: int = Field(-1, ge=-1, description="restarts after a node's preemption (a drain with a "
+                                                                "deadline), counted apart from max_failures "
+                                                                "(-1: unlimited)")
+    preemption_grace_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                      description="how long the workers left may run past a preemption's deadline, "
+                                                  "to finish writing its checkpoint without the preempted ones")
+    placement_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False,
+                                       description="how long a starting or restarting worker group may wait for the "
+                                                   "cluster to place it; then the run fails, naming what is missing")
 
 
 class MlflowConfig(Section):

@@ -22,11 +22,11 @@ from ray.train.v2.api.callback import UserCallback
 from ray.util.queue import Queue
 
 from raytrain_app import rundir, storage, tracking
-from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes
+from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes, describe_capacity, workers_that_fit
 from raytrain_app.cluster.session import lost_local_node
 from raytrain_app.config import JobConfig, dump_yaml
-from raytrain_app.config.sections import ScalingConfig
-from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
+from raytrain_app.config.sections import FailureConfig, ScalingConfig
+from raytrain_app.console import Progress, count, epoch_line, startup_line, startup_phases
 from raytrain_app.data.raydata import read_train
 from raytrain_app.driver import local
 from raytrain_app.driver.plan import RunPlan
@@ -41,6 +41,7 @@ from raytrain_app.errors import (
     process_died,
     timed_out,
 )
+from raytrain_app.rayinternals import draining_nodes, placement_timed_out
 from raytrain_app.rundir import snapshot
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.worker.script import RestartCount, run_script_per_worker
@@ -135,7 +136,7 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
         run_config=ray.train.RunConfig(
             name=os.path.basename(run_dir),
             storage_path=os.path.dirname(run_dir),
-            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            failure_config=failure_config(config.failure),
             callbacks=callbacks,
             checkpoint_config=ray.train.CheckpointConfig(  # a script's checkpoints: the newest are kept
                 num_to_keep=config.checkpoint.keep,
@@ -188,6 +189,17 @@ def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restar
             ray.kill(restarts)
 
 
+def failure_config(failure: FailureConfig) -> ray.train.FailureConfig:
+    """Ray Train's retry budgets: worker failures, and preemptions apart from them. A group the
+    cluster cannot place within `placement_timeout_s` (the start-up timeout, see
+    `_ray_train_settings`) ends the run rather than waiting again, and forever."""
+    return ray.train.FailureConfig(max_failures=failure.max_failures,
+                                   max_preemption_failures=failure.max_preemption_failures,
+                                   preemption_grace_s=failure.preemption_grace_s,
+                                   relax_collectives_on_preemption=failure.preemption_grace_s > 0,
+                                   controller_failure_limit=0)
+
+
 def _picture(run_dir: str, echo) -> Optional[str]:
     """RUN_DIR/report.png, the run's curves; a run without matplotlib says how to get them."""
     from raytrain_app.rundir import plots
@@ -209,6 +221,8 @@ def _ray_train_settings(config: JobConfig) -> None:
     # One timeout for both layers: torch's process group (TorchConfig) and Ray Train's own
     # collectives such as the barrier inside ray.train.report, which has none by default.
     os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(config.scaling.timeout_s)
+    # How long Ray Train waits for a (re)started group's workers to be placed.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.failure.placement_timeout_s)
     # Workers stay where Ray started them, in a job's uploaded working_dir (or move to the launch
     # directory, see WorkerArgs.cwd), instead of Ray Train's per-run scratch directory.
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
@@ -351,6 +365,18 @@ def _unwritten(e: CheckpointNotWritten, run_dir: str) -> str:
     return f"{e}; {then}"
 
 
+def _unplaced(config: JobConfig, run_dir: Optional[str]) -> str:
+    """What the cluster has now, against the group it could not place (after a lost or preempted
+    node, say), and how the run continues."""
+    s, draining = config.scaling, draining_nodes()
+    nodes = [n for n in connected_nodes() if n.node_id not in draining]
+    fit = workers_that_fit(nodes, s.cpus_per_worker, s.gpus_per_worker, s.resources.get("memory", 0))
+    then = (f"`--resume --run-dir {run_dir}` continues from its latest checkpoint (with --workers {fit} it fits now)"
+            if run_dir and fit else "--resume continues it once the cluster has room")
+    return (f"the cluster could not place {count(s.workers, 'worker')} within {config.failure.placement_timeout_s:g}s "
+            f"(failure.placement_timeout_s): it holds {fit} now ({describe_capacity(nodes)}); {then}")
+
+
 def _nonfinite_message(where: dict, latest) -> str:
     then = ("the latest checkpoint is the last good one: lower optimizer.lr and --resume" if latest else
             "no checkpoint was saved before it: lower optimizer.lr and start again")
@@ -381,7 +407,10 @@ def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,
     if unwritten and run_dir:
         return TrainingFailed(_unwritten(unwritten[0], run_dir))
     if not failures:
-        return TrainingFailed(describe(getattr(error, "controller_failure", error)))
+        cause = getattr(error, "controller_failure", error)
+        if placement_timed_out(cause):
+            return TrainingFailed(_unplaced(config, run_dir))
+        return TrainingFailed(describe(cause))
     # A rank whose process died is the cause; its peers' Gloo/NCCL connection errors follow from it.
     ranked = sorted(failures.items(), key=lambda item: (not process_died(item[1]), item[0]))
     clauses = [describe_rank(rank, e) for rank, e in ranked]

@@ -54,13 +54,14 @@ from raytrain_app.tasks import build_task, model_outputs
 from raytrain_app.tasks.base import Task
 from raytrain_app.tasks.supervised import Classification, class_weights
 from raytrain_app.tracking import Trackers
-from raytrain_app.worker import checkpoint
+from raytrain_app.worker import checkpoint, preemption
 from raytrain_app.worker.compile_cache import CompileCache
 from raytrain_app.worker.early_stopping import EarlyStopping
 from raytrain_app.worker.memory import check_state_fits_gpu, shard_group
 from raytrain_app.worker.metrics import EpochMetrics, Sums, Totals
 from raytrain_app.worker.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.worker.optim import build_optimizer, build_schedule, extend_schedule
+from raytrain_app.worker.preemption import PreemptionCheck
 from raytrain_app.worker.reporter import Reporter
 from raytrain_app.worker.state import TrainState
 from raytrain_app.worker.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
@@ -217,7 +218,9 @@ def _run(w: Worker) -> None:
                                         optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated)
             # The same decision on every rank: it reads all-reduced metrics.
             stop = state.early_stopping.update(metrics) if state.early_stopping else None
-            save = state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
+            save = (state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
+                    or after_step.save_at_epoch_end)
+            after_step.save_at_epoch_end = False
             report_to_ray(metrics, state, w, about if save else None)
             report.epoch(metrics)
             trackers.epoch(metrics)
@@ -349,14 +352,20 @@ def evaluation_sums(model: nn.Module, loader, step: Step) -> dict[str, torch.Ten
 class AfterStep:
     """What follows an optimizer step: rank 0 tells the driver and the trackers where start-up went
     (at a fresh run's first step), the trackers get their step-level point, and every
-    `checkpoint.every_steps` steps a mid-epoch checkpoint records the position within the epoch.
-    After this process's first step, what it compiled goes into the run's compile cache."""
+    `checkpoint.every_steps` steps, or at a preemption notice, a mid-epoch checkpoint records the
+    position within the epoch. After this process's first step, what it compiled goes into the
+    run's compile cache."""
 
     def __init__(self, job: JobConfig, about: dict, worker: Worker, loss_check: LossCheck, trackers: Trackers,
                  marks: dict, compile_cache: Optional[CompileCache]):
         self.job, self.about, self.worker = job, about, worker
         self.loss_check, self.report = loss_check, worker.report
         self.trackers, self.marks, self.compile_cache = trackers, marks, compile_cache
+        # Ray Train's notices come from its preemption watcher, which a one-machine cluster runs
+        # without (cluster/session.py), and local mode has no Ray cluster at all.
+        watched = not worker.local and os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1") != "0"
+        self.preemption = PreemptionCheck(watched, worker.device, worker.report.log.info)
+        self.save_at_epoch_end = False  # a notice came at the epoch's last step
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
         if state.step == 1:
@@ -367,7 +376,11 @@ class AfterStep:
             self.compile_cache.after_step()  # archiving is not the first step's time
         self.trackers.step(state)
         every = self.job.checkpoint.every_steps
-        if every and state.step % every == 0 and not last_in_epoch:
+        notice = self.preemption.notice(state.step)
+        if notice:
+            self.report.warn(preemption.describe(notice, state.step, state.epoch, state.batch, last_in_epoch))
+            self.save_at_epoch_end = last_in_epoch  # the epoch's own checkpoint follows at once
+        if (notice or every and state.step % every == 0) and not last_in_epoch:
             self.loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
             # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
             c = self.job.checkpoint
