@@ -77,6 +77,11 @@ def recorder(out_dir: str) -> nn.Module:
     return Recorder(out_dir)
 
 
+def faulty_recorder(input_shape: tuple, num_classes: int, out_dir: str, marker: str, at: int, rank: int = 1):
+    """A Recorder whose rank `rank` crashes on its training call `at` (see Fault)."""
+    return Fault(Recorder(out_dir), marker, at, rank, "crash")
+
+
 class Fault(nn.Module):
     """Injects a real fault on training forward call `at` of rank `rank`, once (while `marker` exists):
 

@@ -13,7 +13,7 @@ from raytrain_app.config import JobConfig
 from raytrain_app.data import build_datasets
 from raytrain_app.driver.plan import make_plan
 from raytrain_app.driver.trainer import run_training
-from raytrain_app.errors import UserError
+from raytrain_app.errors import TrainingFailed, UserError
 from raytrain_app.models import build_model
 from raytrain_app.rundir import checkpoints
 from raytrain_app.worker.loop import seed_everything
@@ -153,3 +153,40 @@ def test_two_workers_match_one_worker_at_the_same_global_batch(table, tmp_path):
         assert row["data_wait_frac"] + row["comm_frac"] + row["compute_frac"] == pytest.approx(1.0)
         assert (row["comm_frac"] > 0) == (workers == 2)
         assert "tflops_per_worker" not in row and "mfu" not in row  # FLOPs are counted for GPUs' MFU only
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_run_resumed_inside_an_epoch_at_another_world_size_trains_each_sample_of_it_once(tmp_path, before, after):
+    """A crash at step 5 of epoch 1 (48 samples, batch 4; step checkpoints every 2), then
+    `--resume` at another world size: what the checkpoint at step 4 had not trained of the
+    epoch's permutation is dealt to the new world's ranks (a shrink, and a grow), so the epoch
+    trains every sample once (no padding: the 16 or 32 left divide by either size), the next
+    epoch too, and the epoch's loss is over all 48."""
+    out, marker = tmp_path / "seen", tmp_path / "fault"
+    out.mkdir()
+    marker.touch()
+    model = {"name": "tests.helpers:faulty_recorder", "args": {"out_dir": str(out), "marker": str(marker), "at": 5,
+                                                              "rank": before - 1}}
+    config = job(data={"name": "tests.helpers:index_data", "args": {"train_size": 48, "eval_size": 5}}, model=model,
+                 train={"epochs": 2, "batch_size": 4}, checkpoint={"every_steps": 2}, scaling={"workers": before})
+    with pytest.raises(TrainingFailed, match="injected crash"):
+        run(config, tmp_path / "run")
+    marker.unlink()
+    done = 4 * 4 * before  # steps 1-4 of every rank: the checkpoint's position, 16 or 32 samples
+    first = {r: (out / f"rank-{r}.txt").read_text().splitlines()[:4] for r in range(before)}
+    for r in range(before):
+        (out / f"rank-{r}.txt").unlink()
+    resumed = run(config.model_copy(update={"scaling": config.scaling.model_copy(update={"workers": after})}),
+                  tmp_path / "run", resume=True)
+    batches = {r: [list(map(int, line.split())) for line in (out / f"rank-{r}.txt").read_text().splitlines()]
+               for r in range(after)}
+    left = (48 - done) // 4 // after  # each new rank's batches in the rest of epoch 1
+    epoch1 = [int(i) for lines in first.values() for line in lines for i in line.split()]
+    epoch1 += [i for r in range(after) for batch in batches[r][:left] for i in batch]
+    epoch2 = [i for r in range(after) for batch in batches[r][left:] for i in batch]
+    assert sorted(epoch1) == sorted(epoch2) == list(range(48))
+    log = (tmp_path / "run" / "logs" / "rank-0.log").read_text()
+    assert "at step 4: epoch 1 from batch 4" in log.rsplit("rank 0/", 1)[-1], log
+    assert [r["world_size"] for r in resumed.metrics] == [after, after]
+    # The epoch's loss is over every sample it trained, before the resize and after.
+    assert [r["train_samples"] for r in resumed.metrics] == [48, 48]

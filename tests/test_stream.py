@@ -88,7 +88,7 @@ def test_a_position_inside_an_epoch_resumes_exactly_reading_only_from_its_window
     monkeypatch.setattr(ParquetStream, "_group_rows",
                         lambda self, g, a, b: read.append(b - a) or original(self, g, a, b))
     for batch in (1, 6, 7, len(whole) - 1):  # windows hold 6 batches of 16
-        sampler.skip = batch * 16
+        sampler.start = batch * 16 * 2  # samples over both ranks
         read.clear()
         assert len(loader) == len(whole) - batch and labels(loader) == whole[batch:]
         assert sum(read) <= len(whole) * 16 - (batch // 6) * 96  # earlier windows are skipped, not read
@@ -121,8 +121,12 @@ def test_a_mid_epoch_resume_over_changed_files_says_so(tmp_path):
     assert warning.startswith("the streamed dataset's files changed since the checkpoint")
     assert resume_warnings(layout(before), layout(after), mid_epoch=False) == []  # a new epoch starts over anyway
     assert resume_warnings(layout(after), layout(after), mid_epoch=True) == []
-    [resharded] = resume_warnings(layout(after), {**layout(after), "world_size": 1}, mid_epoch=True)
+    # Another world size inside an epoch: each rank reads a stretch of its own, so not exact.
+    resharded, stretches = resume_warnings(layout(after), {**layout(after), "world_size": 1}, mid_epoch=True)
     assert resharded.startswith("resharded from 2 workers to 1 worker: ")
+    assert stretches.startswith("a streamed dataset is read in a stretch per rank: the epoch under way goes on "
+                                "over 1 ranks' stretches")
+    assert len(resume_warnings(layout(after), {**layout(after), "world_size": 1}, mid_epoch=False)) == 1
 
 
 def test_a_stream_decodes_rows_as_the_whole_file_reader_does(tmp_path):

@@ -130,16 +130,29 @@ def labelled_file(path: str, recipe: dict) -> ArrayDataset:
 
 
 class TrainShard(DistributedSampler):
-    """DistributedSampler that can start `skip` samples into the epoch, to resume mid-epoch
-    without repeating or skipping samples."""
+    """DistributedSampler that can start `start` samples into the epoch's permutation, to resume
+    mid-epoch at any world size without repeating or skipping a sample.
 
-    skip = 0
+    The permutation is DistributedSampler's own (seeded by seed + epoch, the same at every world
+    size); what is left of it from `start` is dealt to this world's ranks as DistributedSampler
+    deals a whole one: padded with its first samples to a multiple of the world size, then every
+    world-size-th sample from the rank's own. From 0 it is DistributedSampler's order, and at an
+    unchanged world size a resumed rank sees exactly the samples it would have seen."""
+
+    start = 0  # samples of the epoch's permutation already trained, over all ranks
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
+        if not self.start:
+            return super().__iter__()
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = order.tolist()
+        rest = order[self.start:]
+        while len(rest) % self.num_replicas:
+            rest += order[:self.num_replicas - len(rest) % self.num_replicas]
+        return iter(rest[self.rank::self.num_replicas])
 
     def __len__(self) -> int:
-        return super().__len__() - self.skip
+        return -(-(len(self.dataset) - self.start) // self.num_replicas)
 
 
 class EvalShard(Sampler[int]):
@@ -215,7 +228,7 @@ def _as_is(batch):
 
 def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool,
                  resident: bool = False, engine: str = "native"):
-    """This rank's training batches and their sampler (for `set_epoch` and mid-epoch `skip`);
+    """This rank's training batches and their sampler (for `set_epoch` and a mid-epoch `start`);
     `resident`: `ds` is already on the device (`to_device`) and batches are cut there; `engine`
     ray_data: from this worker's Ray Data shard."""
     if engine == "ray_data":

@@ -47,7 +47,7 @@ class RayDataBatches:
         self.shard = shard  # a ray.data.DataIterator
         self.stream, self.batch_size, self.rank, self.seed = stream, batch_size, rank, seed
         self.batches = len(stream) // world_size // batch_size
-        self.epoch, self.skip = 0, 0
+        self.epoch, self.start = 0, 0  # start: samples of the epoch done (a resume inside it)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -56,7 +56,7 @@ class RayDataBatches:
         return self.batches
 
     def __iter__(self):
-        if self.skip:
+        if self.start:
             raise UserError("data.engine: ray_data resumes at epoch boundaries only, and this checkpoint is from "
                             "within an epoch: resume it with data.engine: native")
         seed = int(np.random.default_rng([self.seed, self.epoch, self.rank]).integers(2**31))

@@ -159,11 +159,12 @@ class ParquetStream(Dataset):
 
 class StreamBatches:
     """One rank's batches of a `ParquetStream`: the training loop's loader and sampler in one
-    (`set_epoch`, and `skip` samples into the epoch when resuming)."""
+    (`set_epoch`, and `start` samples of the epoch, over all ranks, done when resuming; each rank
+    reads a stretch of its own, so a resume inside an epoch is exact at the same world size)."""
 
     def __init__(self, stream: ParquetStream, batch_size: int, rank: int, world_size: int, seed: int, train: bool):
         self.stream, self.batch_size, self.seed, self.train = stream, batch_size, seed, train
-        self.epoch, self.skip = 0, 0
+        self.epoch, self.start, self.world_size = 0, 0, world_size
         n = len(stream)
         if train:  # equal stretches of whole batches
             self.lo = rank * (n // world_size)
@@ -178,11 +179,15 @@ class StreamBatches:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.batches - self.skip // self.batch_size
+        return self.batches - self._done()
+
+    def _done(self) -> int:
+        """This rank's batches of the epoch already trained."""
+        return self.start // self.world_size // self.batch_size
 
     def __iter__(self):
         per_window = self.window // self.batch_size
-        first, offset = divmod(self.skip // self.batch_size, per_window)
+        first, offset = divmod(self._done(), per_window)
         for data, order in read_ahead(self._windows(first)):
             for s in range(offset * self.batch_size, len(order), self.batch_size):
                 yield data.__getitems__(order[s:s + self.batch_size])

@@ -146,10 +146,30 @@ def load_into(directory: str, state: TrainState, rank: int, device: torch.device
     saved = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=True)
     shards = os.path.join(directory, SHARDS)
     state.load_state_dict(saved, shards if os.path.isdir(shards) else None)
-    rank_file = os.path.join(directory, f"rank{rank}.pt")
-    if os.path.exists(rank_file):  # a rank that did not exist when it was written keeps its fresh seed
-        state.load_rank_state_dict(torch.load(rank_file, weights_only=True), device)
+    # A smaller world than the checkpoint's: rank r also carries on the parts of the ranks gone,
+    # r + W, r + 2W, ... (a larger one: its new ranks have no part and keep their fresh seed).
+    world = _world_size()
+    then = saved.get("layout", {}).get("world_size", world)
+    gone = [_rank_part(directory, r, verified=False) for r in range(rank + world, then, world)]
+    state.load_rank_state_dict(_rank_part(directory, rank, verified=True), device, [g for g in gone if g])
     return saved.get("layout", {})
+
+
+def _rank_part(directory: str, rank: int, verified: bool) -> Optional[dict]:
+    """`rank{rank}.pt`, or None if that rank did not exist; `verify` has checked this rank's own,
+    and another rank's is checked against its checksum here."""
+    path = os.path.join(directory, f"rank{rank}.pt")
+    if not os.path.exists(path):
+        return None
+    if not verified and open(path + ".sha256").read().split()[0] != _sha256(path):
+        raise ValueError(f"rank{rank}.pt does not match its checksum (partial or corrupted write)")
+    return torch.load(path, weights_only=True)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _older_than(latest) -> list:

@@ -173,7 +173,8 @@ def _run(w: Worker) -> None:
                        precision.scaler, sharded=parallel.mesh is not None,
                        early_stopping=EarlyStopping(tc.early_stopping) if tc.early_stopping else None)
     step = Step(parallel.train_model, precision, task, tc.grad_accum_steps, tc.grad_clip, device,
-                parallel.memory_format, parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite))
+                parallel.memory_format, parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite),
+                samples_per_batch=tc.batch_size * world_size)
     epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
     # What each checkpoint holds besides the state: the config, what the model was built for and
     # how raw inputs become its inputs (`raytrain_app.load_model` rebuilds it from these), and the
@@ -187,6 +188,8 @@ def _run(w: Worker) -> None:
     latest = w.latest_checkpoint()
     if latest:
         restored, saved_layout = checkpoint.restore_latest_good(latest, state, rank, device, run_dir, report.warn)
+        if state.samples is None:  # a checkpoint from before positions were counted over all ranks
+            state.samples = state.batch * tc.batch_size * (saved_layout or layout)["world_size"]
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
         extended = extend_schedule(optimizer, state.scheduler, steps_per_epoch, tc.epochs, job.schedule.on_extend)
         if extended:
@@ -202,7 +205,7 @@ def _run(w: Worker) -> None:
             compile_cache.open()
         for epoch in range(state.epoch, tc.epochs):
             sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-            sampler.skip = state.batch * tc.batch_size  # non-zero only when resuming inside the epoch
+            sampler.start = state.samples  # non-zero only when resuming inside the epoch
             first_step = state.step - state.batch // tc.grad_accum_steps  # this epoch's, also when resumed inside it
             state.clock.start()
             train_totals = train_epoch(step, train_dl, state, report.progress(epoch, state.batch + len(train_dl)),
@@ -239,7 +242,9 @@ def _run(w: Worker) -> None:
 
 def resume_warnings(saved: Optional[dict], now: dict, mid_epoch: bool) -> list[str]:
     """What a resume cannot reproduce exactly: another world size, strategy or mesh than the
-    checkpoint's, or, inside an epoch, a streamed dataset whose row groups changed since."""
+    checkpoint's (the rest of the epoch under way is still trained once, sample for sample, see
+    `data.TrainShard`), or, inside an epoch, a streamed dataset whose row groups changed since or
+    whose world size did."""
     if not saved:  # a checkpoint from before layouts were recorded
         return []
     warnings = []
@@ -250,6 +255,10 @@ def resume_warnings(saved: Optional[dict], now: dict, mid_epoch: bool) -> list[s
     if saved.get("data") != now["data"] and mid_epoch:
         warnings.append("the streamed dataset's files changed since the checkpoint: the epoch under way goes on "
                         "over the new row groups from the same batch, not exactly as it would have")
+    elif now["data"] and mid_epoch and saved["world_size"] != now["world_size"]:
+        warnings.append(f"a streamed dataset is read in a stretch per rank: the epoch under way goes on over "
+                        f"{now['world_size']} ranks' stretches from the same batch, so some of its rows are read "
+                        "twice or not at all (resume at the same world size, or at an epoch's end, to avoid it)")
     return warnings
 
 
@@ -268,6 +277,7 @@ class Step:
     memory_format: torch.memory_format = torch.contiguous_format
     cuda_graphs: bool = False  # the compiled step replays CUDA graphs: mark where each step begins
     loss_check: Optional[LossCheck] = None
+    samples_per_batch: int = 0  # of the epoch's permutation, over all ranks: how far a micro-batch moves it
 
 
 def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callable[[int], None]] = None,
@@ -299,7 +309,7 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
             window = window_end - window_start
             step.precision.backward(loss / window if window > 1 else loss)
         totals.add(loss, count, named)
-        state.batch = i + 1
+        state.batch, state.samples = i + 1, state.samples + step.samples_per_batch
         if last:
             lr = state.optimizer.param_groups[0]["lr"]
             step.precision.step(state.optimizer, state.model.parameters(), step.grad_clip)

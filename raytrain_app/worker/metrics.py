@@ -70,6 +70,16 @@ class Totals:
         self.samples, self.data_wait_s = saved["samples"], saved["data_wait_s"]
         self.named = {n: v.to(self.sums.device) for n, v in saved.get("named", {}).items()}
 
+    def merge(self, saved: dict) -> None:
+        """Add another rank's saved sums to these: a rank of a smaller world carries on the sums of
+        the ranks that are gone, so that the epoch's all-reduced totals still cover every sample."""
+        self.sums += saved["sums"].to(self.sums.device)
+        self.samples += saved["samples"]
+        self.data_wait_s += saved["data_wait_s"]
+        for name, pair in saved.get("named", {}).items():
+            pair = pair.to(self.sums.device)
+            self.named[name] = self.named[name] + pair if name in self.named else pair
+
     @property
     def loss(self) -> float:
         return float(self.sums[0]) / self.samples
@@ -216,6 +226,7 @@ class EpochMetrics:
             "train_loss": train.loss,
             **{f"train_{name}": value for name, value in train.metrics().items()},
             **{f"eval_{name}": value for name, value in evaluated.items()},
+            "train_samples": train.samples,  # over all ranks, and across a resume inside the epoch
             "samples_per_s": train.samples / slowest,
             "samples_per_s_per_worker": train.samples / slowest / self.world_size,
             **time_split(slowest, train.data_wait_s, steps, self.sync_s),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -82,13 +82,14 @@ class TrainState:
     epoch: int = 0  # completed epochs
     step: int = 0  # optimizer steps taken
     batch: int = 0  # micro-batches done in the epoch under way (non-zero only mid-epoch)
+    samples: Optional[int] = 0  # of the epoch's permutation, over all ranks: where its sampler restarts
     totals: Optional[Totals] = None  # this rank's running train-loss sums in the epoch under way
     clock: EpochClock = field(default_factory=EpochClock)
     sharded: bool = False  # the model is FSDP-sharded: weights and optimizer go through DCP
     early_stopping: Optional[EarlyStopping] = None  # what it has seen so far, when the run watches a metric
 
     def finish_epoch(self) -> None:
-        self.epoch, self.batch, self.totals = self.epoch + 1, 0, None
+        self.epoch, self.batch, self.samples, self.totals = self.epoch + 1, 0, 0, None
         self.clock.reset()
 
     def state_dict(self) -> dict:
@@ -102,6 +103,7 @@ class TrainState:
             "epoch": self.epoch,
             "step": self.step,
             "batch": self.batch,
+            "samples": self.samples,
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
         }
 
@@ -120,6 +122,7 @@ class TrainState:
         if self.scaler and saved["scaler"]:
             self.scaler.load_state_dict(saved["scaler"])
         self.epoch, self.step, self.batch = saved["epoch"], saved["step"], saved["batch"]
+        self.samples = saved.get("samples")  # None from a checkpoint that predates it: see the loop
         if self.early_stopping and saved.get("early_stopping"):  # else: watched from this resume on
             self.early_stopping.load_state_dict(saved["early_stopping"])
 
@@ -165,12 +168,19 @@ class TrainState:
         return {"rng": RNG.state_dict(), "totals": self.totals.state_dict() if mid_epoch else None,
                 "clock": self.clock.state_dict()}
 
-    def load_rank_state_dict(self, saved: dict, device: torch.device) -> None:
-        RNG.load_state_dict(saved["rng"])
-        if self.batch and saved["totals"] is not None:
+    def load_rank_state_dict(self, saved: Optional[dict], device: torch.device, gone: Sequence[dict] = ()) -> None:
+        """This rank's saved part (None: a rank that did not exist then keeps its fresh seed), and
+        `gone`, the parts of ranks that a smaller world no longer has, whose running sums this
+        rank carries on through the epoch under way."""
+        if saved is not None:
+            RNG.load_state_dict(saved["rng"])
+        parts = [part for part in (saved, *gone) if part is not None and part["totals"] is not None]
+        if self.batch and parts:
             self.totals = Totals(device)
-            self.totals.load_state_dict(saved["totals"])
-            self.clock.load_state_dict(saved["clock"])
+            self.totals.load_state_dict(parts[0]["totals"])
+            for part in parts[1:]:
+                self.totals.merge(part["totals"])
+            self.clock.load_state_dict(max((part["clock"] for part in parts), key=lambda clock: clock["spent"]))
 
 
 def _tuples(value):
