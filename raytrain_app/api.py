@@ -53,10 +53,10 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     from raytrain_app.driver.plan import make_plan
 
     locally = local_mode.choose(job, address, min_nodes, ray_connected=ray_connected())
-    if locally and job.scaling.workers > 1:
-        local_mode.start_fork_server()  # the worker processes' torch loads while the run is planned
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"),
                      local=locally)
+    if locally and job.scaling.workers > 1:  # once the checks passed: a refused job starts nothing
+        local_mode.start_fork_server()  # the worker processes' torch loads while the run is set up
     try:
         result = _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s)
     except KeyboardInterrupt:

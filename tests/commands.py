@@ -11,6 +11,7 @@ child's status and report 255 for a command that exited 2 (cpython#140867; seen 
 """
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -21,6 +22,14 @@ from typing import Optional
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["raytrain_app.cli", "torch"])
+
+
+def start() -> None:
+    """Start the fork server now (conftest does, once): local mode's workers fork from this
+    process's one fork server too, and would otherwise start it with torch alone, leaving every
+    command to import the command line itself. Not at import: a command's own process imports
+    this module too."""
+    multiprocessing.forkserver.ensure_running()
 
 
 @dataclass

@@ -29,6 +29,14 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """The fork server of `tests.commands`, up before any local-mode run starts it otherwise."""
+    from tests import commands
+
+    commands.start()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def running_clusters(tmp_path_factory):
     """`train` joins local clusters that `cluster up` recorded here: the tests' own, never a user's."""
     os.environ["RAYTRAIN_RUNNING_DIR"] = str(tmp_path_factory.mktemp("running"))

@@ -4,7 +4,8 @@ the training data: `evaluate` (its split and a labelled CSV), `predict` (label-l
 CSV's columns in another order), `export` in every format into one folder, and `load_model`.
 Every one of them must score what the run reported for the checkpoint they all name.
 
-On the test session's Ray cluster (the library calls that the commands make); the commands that
+No Ray: training, `evaluate` and `predict` run in local mode (the library calls that the
+commands make; on Ray, `evaluate` and `predict` are tested in test_cli), and the commands that
 need no Ray run through the CLI.
 """
 
@@ -60,9 +61,8 @@ def to_parquet(*args) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster, tmp_path_factory):
-    """The run, trained from its project folder with `data: data/train` (relative), in local mode;
-    the session's cluster is for `evaluate` and `predict`, which run on Ray by default."""
+def trained(tmp_path_factory):
+    """The run, trained from its project folder with `data: data/train` (relative), in local mode."""
     project = tmp_path_factory.mktemp("project")
     pv.write_csv(customers(600, 0), project / "train.csv")
     pv.write_csv(customers(150, 1), project / "eval.csv")
@@ -94,7 +94,7 @@ def test_evaluate_from_another_directory_on_its_split_and_on_a_labelled_csv(trai
     project, result, elsewhere = trained
     monkeypatch.chdir(elsewhere)
     best = result.best_metrics
-    metrics = scoring.evaluate(os.path.relpath(result.run_dir), workers=1, echo=lambda line: None)
+    metrics = scoring.evaluate(os.path.relpath(result.run_dir), echo=lambda line: None, local=True)
     assert metrics["eval_accuracy"] == best["eval_accuracy"]
     assert metrics["eval_loss"] == pytest.approx(best["eval_loss"], rel=1e-6)  # class-weighted, as trained
     name = rundir.choose(result.run_dir).name
@@ -103,14 +103,14 @@ def test_evaluate_from_another_directory_on_its_split_and_on_a_labelled_csv(trai
     assert os.path.getsize(f"{result.run_dir}/evaluations/{name}-eval-confusion.png") > 1000
 
     # --checkpoint best and --data-set train: the training rows, scored as load_model scores them raw.
-    trained_on = scoring.evaluate(result.run_dir, "best", "train", workers=1, echo=lambda line: None)
+    trained_on = scoring.evaluate(result.run_dir, "best", "train", echo=lambda line: None, local=True)
     rows = customers(600, 0)
     x = torch.from_numpy(np.stack([rows.column(c).to_numpy().astype(np.float64) for c in FEATURES], axis=1))
     with torch.no_grad():
         correct = (raytrain_app.load_model(result.run_dir)(x).argmax(1).numpy() == rows.column("plan").to_numpy())
     assert trained_on["train_accuracy"] == correct.mean() and trained_on["train_samples"] == 600
 
-    labelled = scoring.evaluate(result.run_dir, data=str(project / "eval.csv"), echo=lambda line: None)
+    labelled = scoring.evaluate(result.run_dir, data=str(project / "eval.csv"), echo=lambda line: None, local=True)
     assert labelled["eval_accuracy"] == best["eval_accuracy"]  # the same rows, read raw from the CSV
     report = json.loads(open(f"{result.run_dir}/evaluations/{name}-file-eval.json").read())["classes"]
     truth = customers(150, 1).column("plan").to_numpy()
@@ -126,7 +126,7 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     shuffled = rows.select(["usage_gb", "age", "monthly_fee", "support_calls", "tenure_months"])
     shuffled = shuffled.append_column("note", pa.array(["vip"] * 150)).append_column("id", pa.array(range(1000, 1150)))
     pv.write_csv(shuffled, "new.csv")  # columns in another order, one more, and ids
-    count = scoring.predict(result.run_dir, "new.csv", "preds.parquet", "best", echo=lambda line: None)
+    count = scoring.predict(result.run_dir, "new.csv", "preds.parquet", "best", echo=lambda line: None, local=True)
     preds = pq.read_table("preds.parquet")
     assert count == 150 and preds.column("id").to_pylist() == list(range(1000, 1150))
     assert (preds.column("prediction").to_numpy() == truth).mean() == result.best_metrics["eval_accuracy"]
@@ -134,7 +134,8 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     # The converter's label-less mode gives the same rows as Parquet, and the same predictions.
     pv.write_csv(rows.drop(["plan"]), "new-rows.csv")
     to_parquet("csv", "new-rows.csv", "new-parquet", "--no-label")
-    scoring.predict(result.run_dir, "new-parquet/part-00000.parquet", "preds2.parquet", echo=lambda line: None)
+    scoring.predict(result.run_dir, "new-parquet/part-00000.parquet", "preds2.parquet", echo=lambda line: None,
+                    local=True)
     assert pq.read_table("preds2.parquet").column("prediction").to_pylist() == preds.column("prediction").to_pylist()
 
     # A misnamed column: one line, with the closest name, before Ray.

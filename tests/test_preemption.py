@@ -32,7 +32,9 @@ def two_nodes(tmp_path):
                                     "storage": str(tmp_path / "storage"), "placement": "SPREAD",
                                     "auth": {"token_file": str(tmp_path / "token")},
                                     "local": {"temp_dir": short_temp_dir()}}))
-    up = command(["cluster", "up", str(path)], REPO, timeout=120)
+    # Its nodes run Ray Train's preemption watcher, which the session's cluster turns off.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"}
+    up = command(["cluster", "up", str(path)], REPO, env, timeout=120)
     assert up.returncode == 0, up.stderr
     leaders = {kind: int(pid) for kind, pid in re.findall(r"node \d up \((\w+), pid (\d+)\)", up.stdout)}
     yield str(path), load_profile(str(path)), leaders
@@ -43,7 +45,7 @@ def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_wh
     _, profile, leaders = two_nodes
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}  # the watcher's polls, in a test's time
-    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)  # the session cluster turns it off; a joined one has it on
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
     proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
                              "--run-dir", str(run_dir), "--set", "train.epochs=200", "--set", "model.name=mlp",
                              "--set", "checkpoint.every_epochs=100", "--set", "failure.placement_timeout_s=10"],
