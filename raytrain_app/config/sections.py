@@ -296,7 +296,8 @@ class FailureConfig(Section):
                                                   "to finish writing its checkpoint without the preempted ones")
     placement_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False,
                                        description="how long a starting or restarting worker group may wait for the "
-                                                   "cluster to place it; then the run fails, naming what is missing")
+                                                   "cluster to place it (over two tries); then the run fails, naming "
+                                                   "what is missing (raise it for a cluster that autoscales)")
 
 
 class MlflowConfig(Section):

@@ -186,8 +186,8 @@ def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
                               start_method="forkserver", logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL))
         arguments = os.path.join(scratch, "worker-args.pkl")  # private to this user: it holds the inbox's key
         with open(arguments, "wb") as f:
-            # This process's environment and import path now, which the fork server took when it started.
-            pickle.dump((dict(os.environ), sys.path), f)
+            # This process's environment now: the fork server has the one of its own start.
+            pickle.dump(dict(os.environ), f)
             cloudpickle.dump(args, f)
         try:
             with _main_script_hidden():
@@ -212,9 +212,9 @@ def _reason(e: Exception) -> str:
     host = socket.gethostname()
     if not hasattr(e, "failures"):  # not torch's ChildFailedError: the worker in this process
         return f"rank 0 on node {host} (pid {os.getpid()}): {last_line(e)}"
-    # The launcher stops a dead rank's survivors with SIGTERM, and may record them first.
-    rank, failure = min(e.failures.items(), key=lambda item: (item[1].exitcode == -signal.SIGTERM,
-                                                              item[1].timestamp, item[0]))
+    # The launcher reports the first rank it saw end; a rank that a dead peer's broken collective
+    # ended waits a moment first (worker/local.PEER_GRACE_S), so that is the one that died.
+    rank, failure = min(e.failures.items())
     message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
     lines = [line for line in message.strip().splitlines() if line.strip() and "To enable traceback" not in line]
     code = failure.exitcode
@@ -227,7 +227,8 @@ def _reason(e: Exception) -> str:
 def _main_script_hidden():
     """multiprocessing re-runs the caller's main script in each process it starts, where the main
     module names a file or module; a notebook's or a script's `fit()` (no `__main__` guard) would
-    not survive that. The workers need nothing from it: their function and arguments are given."""
+    not survive that. The workers need nothing from it: their function and arguments are given.
+    The launch blocks until training ends, so the main module goes without them that long."""
     main = sys.modules["__main__"]
     spec, path = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
     main.__spec__ = None
@@ -269,7 +270,7 @@ def worker_environment(scaling):
                 # its workers' path, and Tune runs a trial's function in the trial's own folder.
                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     before_env, before = {k: os.environ.get(k) for k in settings}, torch.get_num_threads()
-    os.environ.update(settings)  # the worker processes' (torch reads them when it loads)
+    os.environ.update(settings)  # the worker processes' (the launcher passes these on)
     torch.set_num_threads(threads)  # this process's: the one in-process worker
     try:
         yield

@@ -87,7 +87,11 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
                       log_dir=storage.join(plan.run_dir, "logs"),
                       cwd=None if not plan.local and shipped_working_dir() else os.getcwd(),
                       restarts=restarts, marks=marks, local=plan.local,
-                      node=ray.get_runtime_context().get_node_id() if plan.local and plan.trial else None)
+                      node=ray.get_runtime_context().get_node_id() if plan.local and plan.trial else None,
+                      # Decided here, once for every rank (asking is a collective). Ray Train's notices
+                      # come from its preemption watcher, which a one-machine cluster runs without
+                      # (cluster/session.py); local mode has no Ray cluster at all.
+                      notices=not plan.local and os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1") != "0")
     # In local mode no Ray Train controller calls `callbacks`: the listener hands them each epoch's report.
     listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
                              storage.join(plan.run_dir, "startup.json"), callbacks if plan.local else ())
@@ -189,15 +193,20 @@ def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restar
             ray.kill(restarts)
 
 
+# Tries to start a worker group, `failure.placement_timeout_s` shared between them: a start that
+# fails for a passing reason (a node that died while its worker started) gets a second try; a
+# group the cluster cannot place ends the run rather than waiting again, and forever.
+START_TRIES = 2
+
+
 def failure_config(failure: FailureConfig) -> ray.train.FailureConfig:
-    """Ray Train's retry budgets: worker failures, and preemptions apart from them. A group the
-    cluster cannot place within `placement_timeout_s` (the start-up timeout, see
-    `_ray_train_settings`) ends the run rather than waiting again, and forever."""
+    """Ray Train's retry budgets: worker failures, preemptions apart from them, and starts (see
+    START_TRIES; each try's timeout is set in `_ray_train_settings`)."""
     return ray.train.FailureConfig(max_failures=failure.max_failures,
                                    max_preemption_failures=failure.max_preemption_failures,
                                    preemption_grace_s=failure.preemption_grace_s,
                                    relax_collectives_on_preemption=failure.preemption_grace_s > 0,
-                                   controller_failure_limit=0)
+                                   controller_failure_limit=START_TRIES - 1)
 
 
 def _picture(run_dir: str, echo) -> Optional[str]:
@@ -221,8 +230,8 @@ def _ray_train_settings(config: JobConfig) -> None:
     # One timeout for both layers: torch's process group (TorchConfig) and Ray Train's own
     # collectives such as the barrier inside ray.train.report, which has none by default.
     os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(config.scaling.timeout_s)
-    # How long Ray Train waits for a (re)started group's workers to be placed.
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.failure.placement_timeout_s)
+    # How long Ray Train waits for a (re)started group's workers to be placed, each try.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.failure.placement_timeout_s / START_TRIES)
     # Workers stay where Ray started them, in a job's uploaded working_dir (or move to the launch
     # directory, see WorkerArgs.cwd), instead of Ray Train's per-run scratch directory.
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
@@ -235,6 +244,10 @@ def _ray_train_settings(config: JobConfig) -> None:
     # Ray Train sends what workers print to its own log as well as to stdout; a script's stdout
     # is already captured line by line (script.RankOutput), which would then see every line twice.
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    # Preemption notices (worker/preemption.py), from a watcher in Ray Train's controller: on for
+    # a cluster joined or submitted to, whatever its nodes' own environment says; the embedded
+    # one-machine cluster has turned it off already (cluster/session.py).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
 
 
 def shipped_working_dir() -> bool:
@@ -371,8 +384,10 @@ def _unplaced(config: JobConfig, run_dir: Optional[str]) -> str:
     s, draining = config.scaling, draining_nodes()
     nodes = [n for n in connected_nodes() if n.node_id not in draining]
     fit = workers_that_fit(nodes, s.cpus_per_worker, s.gpus_per_worker, s.resources.get("memory", 0))
-    then = (f"`--resume --run-dir {run_dir}` continues from its latest checkpoint (with --workers {fit} it fits now)"
-            if run_dir and fit else "--resume continues it once the cluster has room")
+    resume = f"`--resume --run-dir {run_dir}`" if run_dir else "--resume"
+    then = (f"{resume} continues from its latest checkpoint" if fit >= s.workers else
+            f"{resume} continues from its latest checkpoint (with --workers {fit} it fits now)" if fit else
+            f"{resume} continues it once the cluster has room")
     return (f"the cluster could not place {count(s.workers, 'worker')} within {config.failure.placement_timeout_s:g}s "
             f"(failure.placement_timeout_s): it holds {fit} now ({describe_capacity(nodes)}); {then}")
 
@@ -408,8 +423,9 @@ def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,
         return TrainingFailed(_unwritten(unwritten[0], run_dir))
     if not failures:
         cause = getattr(error, "controller_failure", error)
-        if placement_timed_out(cause):
-            return TrainingFailed(_unplaced(config, run_dir))
+        with suppress(Exception):  # what the cluster holds, if it still answers; else Ray's words
+            if placement_timed_out(cause):
+                return TrainingFailed(_unplaced(config, run_dir))
         return TrainingFailed(describe(cause))
     # A rank whose process died is the cause; its peers' Gloo/NCCL connection errors follow from it.
     ranked = sorted(failures.items(), key=lambda item: (not process_died(item[1]), item[0]))

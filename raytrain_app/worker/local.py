@@ -17,8 +17,8 @@ import functools
 import logging
 import os
 import pickle
-import sys
 import time
+from contextlib import suppress
 from multiprocessing.connection import Client
 from typing import Optional
 
@@ -67,7 +67,8 @@ PEER_GRACE_S = 2.0
 
 # What torch's launcher sets for each rank, which a driver running under torchrun itself has too.
 _LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                       "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 
 def main(arguments: str) -> None:
@@ -78,13 +79,18 @@ def main(arguments: str) -> None:
     import torch
     import torch.distributed.distributed_c10d as c10d
 
+    # A session of its own, as torchrun starts each worker: a terminal's Ctrl-C reaches the
+    # driver, whose launcher stops the workers, not each worker mid-step.
+    with suppress(OSError):  # already a session's leader
+        os.setsid()
     with open(arguments, "rb") as f:
-        environment, path = pickle.load(f)
-        # The driver's environment and import path at this launch (the fork server has those of
-        # its own start); the launcher's variables, this rank's, stay.
-        os.environ.update({k: v for k, v in environment.items()
-                           if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")})
-        sys.path[:] = path
+        # The driver's environment at this launch (the fork server has the one of its own start;
+        # multiprocessing brings the driver's import path and directory), with this rank's
+        # variables that the launcher set.
+        environment = pickle.load(f)
+        launcher = {k: v for k, v in os.environ.items() if k in _LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_")}
+        os.environ.clear()
+        os.environ.update({**environment, **launcher})
         from ray import cloudpickle
 
         args = cloudpickle.load(f)

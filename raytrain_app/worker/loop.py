@@ -81,6 +81,7 @@ class WorkerArgs:
     marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
     local: bool = False  # Ray Train's local mode: no controller keeps checkpoints, the loop does (driver/local.py)
     node: Optional[str] = None  # the Ray node a local-mode worker runs on, inside a sweep's trial
+    notices: bool = False  # ask Ray Train for preemption notices (its watcher runs on this cluster)
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
@@ -98,7 +99,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
     try:
         _run(Worker(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
-                    {**(args.marks or {}), "loop": entered}, args.local))
+                    {**(args.marks or {}), "loop": entered}, args.local, args.notices))
     except BaseException:
         report.failed()
         raise
@@ -118,6 +119,7 @@ class Worker:
     report: Reporter  # this rank's log, and the events the driver's console shows
     marks: dict  # start-up times so far (wall clock), for the first step's breakdown
     local: bool = False  # see WorkerArgs.local
+    notices: bool = False  # see WorkerArgs.notices
 
     def latest_checkpoint(self) -> Optional[ray.train.Checkpoint]:
         """Where training continues from: what Ray Train hands a (re)started group, or in local
@@ -371,10 +373,7 @@ class AfterStep:
         self.job, self.about, self.worker = job, about, worker
         self.loss_check, self.report = loss_check, worker.report
         self.trackers, self.marks, self.compile_cache = trackers, marks, compile_cache
-        # Ray Train's notices come from its preemption watcher, which a one-machine cluster runs
-        # without (cluster/session.py), and local mode has no Ray cluster at all.
-        watched = not worker.local and os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1") != "0"
-        self.preemption = PreemptionCheck(watched, worker.device, worker.report.log.info)
+        self.preemption = PreemptionCheck(worker.notices, worker.device, worker.report.log.info)
         self.save_at_epoch_end = False  # a notice came at the epoch's last step
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:

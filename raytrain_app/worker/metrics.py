@@ -75,7 +75,7 @@ class Totals:
         the ranks that are gone, so that the epoch's all-reduced totals still cover every sample."""
         self.sums += saved["sums"].to(self.sums.device)
         self.samples += saved["samples"]
-        self.data_wait_s += saved["data_wait_s"]
+        self.data_wait_s = max(self.data_wait_s, saved["data_wait_s"])  # a time, as the clock: not a count
         for name, pair in saved.get("named", {}).items():
             pair = pair.to(self.sums.device)
             self.named[name] = self.named[name] + pair if name in self.named else pair
