@@ -84,9 +84,10 @@ def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, erro
             break
     assert notice and worker.node_id.startswith(notice[1]), said
     step, epoch, batch, epoch_end = notice.groups()[1:]
-    # Past the deadline (by when Ray Train has stopped the group, counting a preemption) the cloud
+    # Well past the deadline (by when Ray Train has stopped the group, counting a preemption; a
+    # node stopped first would kill its workers, a failure that max_failures counts) the cloud
     # takes the node: its processes stop.
-    time.sleep(max(0.0, drained + 9 - time.time()))
+    time.sleep(max(0.0, drained + 14 - time.time()))
     os.killpg(leaders["worker"], signal.SIGTERM)
     stopped = time.monotonic()
 

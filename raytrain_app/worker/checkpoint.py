@@ -130,12 +130,20 @@ def verify(directory: str, rank: int) -> Optional[str]:
             if name == STATE_FILE:
                 return "state.pt is missing"
             continue  # a rank that did not exist when it was written keeps its fresh seed
-        try:
-            expected = open(path + ".sha256").read().split()[0]
-        except (OSError, IndexError):
-            return f"{name}.sha256 is missing"
-        if _sha256(path) != expected:
-            return f"{name} does not match its checksum (partial or corrupted write)"
+        problem = _checksum_problem(directory, name)
+        if problem:
+            return problem
+    return None
+
+
+def _checksum_problem(directory: str, name: str) -> Optional[str]:
+    path = os.path.join(directory, name)
+    try:
+        expected = open(path + ".sha256").read().split()[0]
+    except (OSError, IndexError):
+        return f"{name}.sha256 is missing"
+    if _sha256(path) != expected:
+        return f"{name} does not match its checksum (partial or corrupted write)"
     return None
 
 
@@ -161,8 +169,9 @@ def _rank_part(directory: str, rank: int, verified: bool) -> Optional[dict]:
     path = os.path.join(directory, f"rank{rank}.pt")
     if not os.path.exists(path):
         return None
-    if not verified and open(path + ".sha256").read().split()[0] != _sha256(path):
-        raise ValueError(f"rank{rank}.pt does not match its checksum (partial or corrupted write)")
+    problem = None if verified else _checksum_problem(directory, f"rank{rank}.pt")
+    if problem:
+        raise ValueError(problem)
     return torch.load(path, weights_only=True)
 
 

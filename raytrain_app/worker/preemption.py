@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from raytrain_app.distributed import global_max
+
 BUDGET = 0.01  # of the step time
 MEASURED = 8  # steps that ask at every step, timing it
 LONGEST = 1000  # steps between asks, at most
@@ -59,20 +61,10 @@ class PreemptionCheck:
         if len(self._costs) < MEASURED:
             return
         step, cost = max(statistics.median(self._steps), 1e-6), statistics.median(self._costs)
-        self.every = _agreed(min(LONGEST, max(1, math.ceil(cost / (BUDGET * step)))), self.device)
+        wanted = min(LONGEST, max(1, math.ceil(cost / (BUDGET * step))))
+        self.every = int(global_max(wanted, self.device))  # every rank must ask at the same steps
         self.log(f"preemption notices: asked every {self.every} steps ({cost * 1e3:.2f} ms an ask, "
                  f"{step * 1e3:.2f} ms a step here)")
-
-
-def _agreed(value: int, device: torch.device) -> int:
-    """The largest `value` of any rank: every rank must ask at the same steps."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    flag = torch.tensor([value], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
 
 
 def describe(info, step: int, epoch: int, batch: int, epoch_end: bool) -> str:
