@@ -16,7 +16,7 @@ from raytrain_app.errors import Interrupted, UserError
 
 
 def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequence[str]] = None,
-        workers: Optional[int] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
+        workers: Union[int, str, None] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
         address: Optional[str] = None, resume: Union[bool, str] = False, verbose: bool = False, progress: bool = False,
         echo: Callable[[str], None] = print, started: Optional[float] = None, script_args: Sequence[str] = (),
         min_nodes: int = 1, node_timeout_s: float = 600, local: Optional[bool] = None, smoke: bool = False):
@@ -28,9 +28,10 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     failure and checkpoint.keep.
 
     In a dict or JobConfig, `model.name` and `data.name` may be the builder functions themselves
-    (a notebook's, say). `overrides` are `--set` expressions; `workers`/`gpus_per_worker` set the
-    scaling; `resume` True continues a run (see `make_plan` for "if_any"); `address` picks the cluster
-    as `--address` does, and a process already connected to Ray (`ray.init()` done) trains there,
+    (a notebook's, say). `overrides` are `--set` expressions; `workers` (a number, or "MIN:MAX")
+    and `gpus_per_worker` set the scaling; `resume` True continues a run (see `make_plan` for
+    "if_any"); `address` picks the cluster as `--address` does, and a process already connected
+    to Ray (`ray.init()` done) trains there,
     and a cluster at `address` gets `node_timeout_s` to reach `min_nodes` nodes; `echo` receives
     the console lines. `local` True runs through Ray Train's local mode with no Ray cluster, False
     on Ray, None as `scaling.local` says (see `driver/local.py`). `smoke` runs a few batches of one
@@ -55,7 +56,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     locally = local_mode.choose(job, address, min_nodes, ray_connected=ray_connected())
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"),
                      local=locally)
-    if locally and job.scaling.workers > 1:  # once the checks passed: a refused job starts nothing
+    if locally and job.scaling.max_workers > 1:  # once the checks passed: a refused job starts nothing
         local_mode.start_fork_server()  # the worker processes' torch loads while the run is set up
     try:
         result = _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s)
@@ -76,12 +77,11 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
 
     from raytrain_app.cluster.capacity import spare_cpus
     from raytrain_app.cluster.session import cluster_for
-    from raytrain_app.console import count
     marks["planned"] = time.time()
     s = plan.config.scaling
     what = plan.config.script.path if plan.config.script else f"{s.backend}, {plan.config.train.precision}"
     where = "local mode (no Ray cluster; --ray for one)" if plan.local else "on Ray"
-    echo(f"run {plan.run_dir}: {count(s.workers, 'worker')}, {what}, {where}")
+    echo(f"run {plan.run_dir}: {s.describe_workers()}, {what}, {where}")
     for warning in plan.warnings:
         echo(f"warning: {warning}")
     if plan.local:

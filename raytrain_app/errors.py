@@ -32,6 +32,14 @@ class TrainingFailed(Exception):
         super().__init__(one_line(message))
 
 
+class Stopped(Exception):
+    """The workers stopped on a request (SIGUSR1), each after a checkpoint: the run continues with
+    --resume (exit code 75, EX_TEMPFAIL: "try again later")."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(one_line(message))
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a run: how to continue it (`train` prints it after "interrupted")."""
 

@@ -6,6 +6,7 @@ They run inside real Ray Train workers, so what they record goes to files the te
 import os
 import signal
 import time
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -54,27 +55,32 @@ def index_data(train_size: int = 20, eval_size: int = 5):
 
 
 class Recorder(nn.Module):
-    """Appends every training batch's sample indices to out_dir/rank-R.txt, one line per batch,
-    and the dropout mask the batch drew to out_dir/dropout-R.txt."""
+    """Appends every training batch's sample indices to out_dir/rank-R.txt (rank-R-PID.txt
+    `per_process`: a restarted group's apart), one line per batch, and the dropout mask the batch
+    drew to out_dir/dropout-R.txt. While the file `hold` exists, each training batch takes 20 ms
+    longer: a test paces the run while it changes the cluster under it."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, per_process: bool = False, hold: Optional[str] = None):
         super().__init__()
-        self.out_dir = out_dir
+        self.out_dir, self.per_process, self.hold = out_dir, per_process, hold
         self.linear = nn.Linear(1, 2)
         self.dropout = nn.Dropout(0.5)
 
     def forward(self, x):
+        if self.training and self.hold and os.path.exists(self.hold):
+            time.sleep(0.02)
         if self.training and x.shape[0] > 1:
             rank = ray.train.get_context().get_world_rank()
-            with open(os.path.join(self.out_dir, f"rank-{rank}.txt"), "a") as f:
+            name = f"rank-{rank}-{os.getpid()}" if self.per_process else f"rank-{rank}"
+            with open(os.path.join(self.out_dir, f"{name}.txt"), "a") as f:
                 f.write(" ".join(str(int(v)) for v in x[:, 0]) + "\n")
             with open(os.path.join(self.out_dir, f"dropout-{rank}.txt"), "a") as f:
                 f.write("".join("1" if v else "0" for v in self.dropout(torch.ones(32))) + "\n")
         return self.linear(x * 0.01)
 
 
-def recorder(out_dir: str) -> nn.Module:
-    return Recorder(out_dir)
+def recorder(out_dir: str, per_process: bool = False, hold: Optional[str] = None) -> nn.Module:
+    return Recorder(out_dir, per_process, hold)
 
 
 def faulty_recorder(input_shape: tuple, num_classes: int, out_dir: str, marker: str, at: int, rank: int = 1):

@@ -86,6 +86,10 @@ def cases(d):
         ([DIGITS, "--set", "scaling.timeout_s=0"], "scaling.timeout_s: must be >= 1"),
         ([DIGITS, "--workers", "0"], "scaling.workers: must be >= 1"),
         ([DIGITS, "--workers", "-2"], "scaling.workers: must be >= 1"),
+        ([DIGITS, "--workers", "2:x"], "Invalid value for '--workers': '2:x' is not a number of workers or a range"),
+        ([DIGITS, "--workers", "3:2"], "scaling.workers: min (3) must be below max (2)"),
+        ([DIGITS, "--workers", "1:2", "--local"], "--local (scaling.local: true): a range of workers (1:2) resizes "
+                                                  "through Ray Train's controller; drop --local"),
         ([DIGITS, "--gpus-per-worker", "-1"], "scaling.gpus_per_worker: must be >= 0"),
         ([DIGITS, "--set", "train.precision=fp8"], "train.precision: must be one of"),
         ([DIGITS, "--set", "scaling.backend=mpi"], "scaling.backend: must be one of"),

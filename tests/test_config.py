@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from raytrain_app.cluster.profiles import load_profile
 from raytrain_app.config import JobConfig, dump_yaml, load_config, updated
+from raytrain_app.config.batching import Batching, batching
 from raytrain_app.config.resolve import resolve_auto
 from raytrain_app.errors import ConfigError
 from tests.conftest import REPO
@@ -75,6 +76,14 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     ("optimizer: {betas: [0.9]}\n", [], "optimizer.betas: must be a list of 2 values, got \\[0.9\\]$"),
     ("optimizer: {name: adam, nesterov: true}\n", [], "optimizer.nesterov: true is used only with sgd and momentum"),
     ("scaling: {workers: 0}\n", [], "scaling.workers: must be >= 1, got 0$"),
+    ("scaling: {workers: 4:2}\n", [], r"scaling.workers: min \(4\) must be below max \(2\); a fixed size is a "
+                                     "number$"),
+    ("scaling: {workers: {min: 2}}\n", [], "scaling.workers.max: is required, got {'min': 2}$"),
+    ("scaling: {workers: {min: 1, max: 2, step: 1}}\n", [], "scaling.workers.step: unknown key$"),
+    ("scaling: {workers: 1:4}\ntrain: {batch_size: 50}\n", [],
+     "scaling.on_resize: keep_global_batch cannot keep the global batch of 200 \\(train.batch_size 50 x 4 workers x "
+     "1\\) at 3 workers: it does not split evenly; narrow the range, pick a batch_size that does, or use "
+     "on_resize: scale_lr$"),
     ("scaling: {backend: nccl}\n", [], "scaling.backend: nccl needs GPUs"),
     ("scaling: {backend: nccl, workers: 2, gpus_per_worker: 0.5}\n", [],
      "scaling.backend: nccl cannot run two ranks on one GPU, and gpus_per_worker 0.5 makes workers share GPUs"),
@@ -270,3 +279,24 @@ def test_aliases_that_expand_without_end_are_refused_at_once(tmp_path, where):
     [line] = caught.value.lines
     reason = "a recursive alias" if where == "recursive" else "aliases expand to more than 100,000 values"
     assert "YAML refused" in line and reason in line, line
+
+
+@pytest.mark.parametrize("text", ["scaling: {workers: 2:4}\n", "scaling: {workers: {min: 2, max: 4}}\n"])
+def test_a_range_of_workers_reads_as_one_in_either_form_and_sizes_its_steps(tmp_path, text):
+    config = load_config(write(tmp_path, text), ["train.batch_size=12"])
+    s = config.scaling
+    assert (s.elastic, s.min_workers, s.max_workers, s.workers.model_dump()) == (True, 2, 4, {"min": 2, "max": 4})
+    assert yaml.safe_load(dump_yaml(config))["scaling"]["workers"] == {"min": 2, "max": 4}  # what the run dir keeps
+    # keep_global_batch: 12 x 4 = 48 a step at any size, in micro-batches no larger than 12; the lr
+    # stays scaled for the 4 it is configured at.
+    steps = {w: batching(config.train, s, w) for w in (2, 3, 4)}
+    assert steps == {2: Batching(12, 2, 4), 3: Batching(8, 2, 4), 4: Batching(12, 1, 4)}
+    assert batching(config.train, s, 5) is None  # 48 does not split over 5
+    scaled = batching(config.train, s.model_copy(update={"on_resize": "scale_lr"}), 3)
+    assert scaled == Batching(12, 1, 3)
+
+
+def test_a_fixed_size_steps_as_configured(tmp_path):
+    config = load_config(write(tmp_path, "scaling: {workers: 3}\ntrain: {batch_size: 10, grad_accum_steps: 2}\n"))
+    assert not config.scaling.elastic and (config.scaling.min_workers, config.scaling.max_workers) == (3, 3)
+    assert batching(config.train, config.scaling, 3) == Batching(10, 2, 3)

@@ -44,12 +44,19 @@ CONTAINER = strict({"name": {"type": "string"}, "image": {"type": "string"}, "re
                                                                ("containerPort",))},
                     "volumeMounts": {"type": "array", "items": strict({"name": {"type": "string"},
                                                                        "mountPath": {"type": "string"}},
-                                                                      ("name", "mountPath"))}}, ("name",))
+                                                                      ("name", "mountPath"))},
+                    "env": {"type": "array", "items": strict({
+                        "name": {"type": "string"}, "value": {"type": "string"},
+                        "valueFrom": strict({"fieldRef": strict({"fieldPath": {"type": "string"}},
+                                                                ("fieldPath",))})}, ("name",))},
+                    "lifecycle": strict({"preStop": strict({"exec": strict({
+                        "command": {"type": "array", "items": {"type": "string"}}})})})}, ("name",))
 VOLUME = strict({"name": {"type": "string"},
                  "emptyDir": strict({"medium": {"type": "string"}, "sizeLimit": QUANTITY})}, ("name",))
 POD_TEMPLATE = strict({"spec": strict({
     "containers": {"type": "array", "items": CONTAINER, "minItems": 1},  # the operator wants one at least
     "serviceAccountName": {"type": "string"}, "nodeSelector": STRINGS,
+    "terminationGracePeriodSeconds": {"type": "integer", "minimum": 0},
     "volumes": {"type": "array", "items": VOLUME},
     "tolerations": {"type": "array", "items": strict({"key": {"type": "string"}, "operator": {"type": "string"},
                                                       "effect": {"type": "string"}})},
@@ -69,7 +76,7 @@ RAYJOB_SCHEMA = strict({
         "backoffLimit": {**INT32, "minimum": 0},
         "activeDeadlineSeconds": {**INT32, "minimum": 1},
         "rayClusterSpec": strict({
-            "rayVersion": {"type": "string"},
+            "rayVersion": {"type": "string"}, "enableInTreeAutoscaling": {"type": "boolean"},
             "headGroupSpec": strict({"rayStartParams": STRINGS, "template": POD_TEMPLATE}, ("template",)),
             "workerGroupSpecs": {"type": "array", "items": strict({
                 "groupName": {"type": "string"}, "replicas": INT32, "minReplicas": INT32, "maxReplicas": INT32,
@@ -125,7 +132,8 @@ def test_the_rayjob_fits_the_crd_kuberay_ships_and_nothing_of_it_is_pruned():
     """Against KubeRay v1.7.0's own CRD schema (tests/kuberay/), which the API server validates a
     RayJob with: every field valid, and none that the server would silently drop."""
     schema = json.load(open(CRD_SCHEMA))
-    for args in (("--nodes", "2", "--gpus-per-node", "4"), ("--nodes", "1", "--name", "x" * 60)):
+    for args in (("--nodes", "2", "--gpus-per-node", "4"), ("--nodes", "1", "--name", "x" * 60),
+                 ("--nodes", "2:5", "--set", "scaling.on_resize=scale_lr")):
         proc = render(*args)
         assert proc.returncode == 0, proc.stderr
         manifest = yaml.safe_load(proc.stdout)
@@ -159,6 +167,14 @@ def test_the_rayjob_fits_kuberays_schema_and_the_operators_rules():
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         [mount] = [m for m in template["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
         assert volumes[mount["name"]]["emptyDir"] == {"medium": "Memory"}
+    # A worker pod being deleted drains its Ray node first, within its grace period: the run gets a
+    # preemption notice and checkpoints (the hook is what tests/test_preemption.py drains with).
+    pod = workers["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 60
+    assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
+        "python", "-m", "raytrain_app.cluster.drain", "--deadline-s", "50"]
+    assert {"name": "MY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in \
+        pod["containers"][0]["env"]
     # A retry runs on a new cluster: the same job id and run directory, resumed if it holds a checkpoint.
     run_dir = manifest["metadata"]["annotations"]["raytrain.run_dir"]
     assert run_dir == "s3://my-bucket/raytrain/runs/" + spec["jobId"]
@@ -167,6 +183,26 @@ def test_the_rayjob_fits_kuberays_schema_and_the_operators_rules():
     config = JobConfig.from_dict(yaml.safe_load(env["RAYTRAIN_JOB_CONFIG"]))
     assert (config.scaling.workers, config.scaling.backend, config.scaling.gpus_per_worker) == (8, "nccl", 1.0)
     assert env["NCCL_DEBUG"] == "WARN"
+
+
+def test_a_range_of_nodes_is_a_worker_group_that_the_autoscaler_grows_from_min_to_max():
+    """`--nodes 2:5`: the cluster starts at 2 worker pods, and KubeRay's autoscaler adds pods up to 5
+    as Ray Train's elastic scaling asks for them; the job's workers are the matching range."""
+    proc = render("--nodes", "2:5", "--gpus-per-node", "4")  # 8 to 20 workers: a global batch cannot be kept
+    assert proc.returncode == 2 and "keep_global_batch cannot keep the global batch of 640" in proc.stderr
+    proc = render("--nodes", "2:5", "--gpus-per-node", "4", "--set", "scaling.on_resize=scale_lr")
+    assert proc.returncode == 0, proc.stderr
+    manifest = yaml.safe_load(proc.stdout)
+    jsonschema.validate(manifest, RAYJOB_SCHEMA)
+    cluster = manifest["spec"]["rayClusterSpec"]
+    workers = cluster["workerGroupSpecs"][0]
+    assert (workers["replicas"], workers["minReplicas"], workers["maxReplicas"]) == (2, 2, 5)
+    assert cluster["enableInTreeAutoscaling"] is True
+    env = yaml.safe_load(manifest["spec"]["runtimeEnvYAML"])["env_vars"]
+    config = JobConfig.from_dict(yaml.safe_load(env["RAYTRAIN_JOB_CONFIG"]))
+    assert (config.scaling.min_workers, config.scaling.max_workers) == (8, 20)
+    fixed = yaml.safe_load(rendered_2x4())["spec"]["rayClusterSpec"]
+    assert "enableInTreeAutoscaling" not in fixed  # a fixed size stays pinned
 
 
 @pytest.mark.parametrize("path, value", [

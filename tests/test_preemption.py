@@ -2,8 +2,10 @@
 `ray drain-node` (reason PREEMPTION, a deadline), the API Ray's autoscaler uses for a spot
 reclaim, then the node stopped at the deadline. The run answers the notice with a checkpoint at
 the step it is at, and, with too few nodes left for its fixed size, says so and ends within
-`failure.placement_timeout_s` instead of waiting forever."""
+`failure.placement_timeout_s` instead of waiting forever; a range of workers goes on at the size
+that fits, and grows again when a node joins, training every sample once per epoch throughout."""
 
+import collections
 import json
 import os
 import re
@@ -16,6 +18,7 @@ import pytest
 import yaml
 
 from raytrain_app import rundir
+from raytrain_app.cluster import localnodes
 from raytrain_app.cluster.dashboard import Dashboard
 from raytrain_app.cluster.profiles import load_profile
 from raytrain_app.rundir import snapshot
@@ -60,37 +63,10 @@ def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_wh
 
 
 def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, errors) -> None:
-    said = []
-    for line in proc.stdout:
-        said.append(line)
-        if re.match(r"epoch +2/200", line):
-            break
-    assert "using the running local cluster 'preempt'" in "".join(said), said
-
-    worker = next(n for n in Dashboard.for_profile(profile).alive_nodes() if not n.is_head)
-    drained = time.time()
-    drain = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node",
-                            "--address", f"127.0.0.1:{profile.ports()['port']}", "--node-id", worker.node_id,
-                            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                            "--deadline-remaining-seconds", "6"], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": profile.token()})
-    assert drain.returncode == 0, drain.stdout + drain.stderr
-    notice = None
-    for line in proc.stdout:
-        said.append(line)
-        notice = re.match(r"warning: preemption notice: node (\w+) \(rank [01]\) goes away in \d+s; a checkpoint at "
-                          r"(?:step (\d+) \(epoch (\d+), batch (\d+)\)|the end of epoch (\d+)),", line)
-        if notice:
-            break
-    assert notice and worker.node_id.startswith(notice[1]), said
-    step, epoch, batch, epoch_end = notice.groups()[1:]
-    # Well past the deadline (by when Ray Train has stopped the group, counting a preemption; a
-    # node stopped first would kill its workers, a failure that max_failures counts) the cloud
-    # takes the node: its processes stop.
-    time.sleep(max(0.0, drained + 14 - time.time()))
-    os.killpg(leaders["worker"], signal.SIGTERM)
+    said, notice = drain(proc, profile, leaders, 200)
     stopped = time.monotonic()
-
+    assert "using the running local cluster 'preempt'" in "".join(said), said
+    step, epoch, batch, epoch_end = notice.groups()[1:]
     out, _ = proc.communicate(timeout=120)
     said.append(out)
     err = errors.read_text()
@@ -110,3 +86,118 @@ def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, erro
         assert (position["step"], position["epoch"] + 1, position["batch"]) == (int(step), int(epoch), int(batch))
         assert int(batch) > 0
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+
+
+def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, tmp_path):
+    """`workers: 1:2` on the two nodes; the worker node drained mid-epoch and then stopped; a
+    new node started. The run checkpoints at the notice, goes on at one worker from that step
+    (two micro-batches a step: the global batch is kept), grows back to two at the next look
+    for room, says each resize in one line, and finishes. Each sample is trained once per epoch
+    across both resizes: what each group trained up to the checkpoint the next one resumed from,
+    and all that the last trained. The model is slowed while the test changes the cluster."""
+    _, profile, leaders = two_nodes
+    run_dir, seen, hold = tmp_path / "run", tmp_path / "seen", tmp_path / "hold"
+    seen.mkdir()
+    hold.touch()
+    epochs, size = 30, 2000
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "elastic", "data": {"name": "tests.helpers:index_data", "args": {"train_size": size, "eval_size": 5}},
+        "model": {"name": "tests.helpers:recorder", "args": {"out_dir": str(seen), "per_process": True,
+                                                             "hold": str(hold)}},
+        # Checkpoints every 100 steps, never at an epoch's end (250 steps at either size): every
+        # restart resumes inside an epoch, whose rest the new world's ranks are dealt.
+        "train": {"epochs": epochs, "batch_size": 4}, "checkpoint": {"every_steps": 100, "every_epochs": 100},
+        "scaling": {"workers": "1:2", "resize_interval_s": 2}, "failure": {"placement_timeout_s": 60},
+        "tracking": {"tensorboard": False, "report_png": False}}))
+    env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
+    errors = tmp_path / "stderr"
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", str(job), "--ray",
+                             "--run-dir", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=open(errors, "w"), text=True, env=env, start_new_session=True)
+    joined = None
+    try:
+        said, notice = drain(proc, profile, leaders, epochs)
+        for line in proc.stdout:
+            said.append(line)
+            if line.startswith("resized: shrank"):
+                break
+        joined = localnodes.add_node(profile, 2)
+        for line in proc.stdout:
+            said.append(line)
+            if line.startswith("resized: grew"):
+                break
+        hold.unlink()  # the rest at full speed
+        out, _ = proc.communicate(timeout=120)
+        said.append(out)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if joined is not None:
+            localnodes.stop_processes([joined.pid])
+    console = "".join(said)
+    assert proc.returncode == 0, console + errors.read_text()
+    assert re.findall(r"^resized: .*$", console, re.M) == [
+        "resized: shrank 2 -> 1 workers; global batch 8 (2 micro-batches of 4)",
+        "resized: grew 1 -> 2 workers; global batch 8"], console
+    restarts = [json.loads(line) for line in (run_dir / rundir.RESTARTS).read_text().splitlines()]
+    assert [r["reason"] for r in restarts if r["kind"] == "resize"] == ["shrank 2 -> 1 workers",
+                                                                         "grew 1 -> 2 workers"]
+    rows = [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == list(range(1, epochs + 1))
+    sizes = [r["world_size"] for r in rows]
+    assert sizes[0] == sizes[-1] == 2, sizes  # (the one-worker group may have ended no epoch)
+    assert all(r["train_samples"] == size for r in rows), rows
+    # The first restart resumed from the checkpoint taken at the notice, or from a later one (the
+    # group trains on until Ray Train stops it); each group trained from the step the checkpoint
+    # it resumed from holds.
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    restarts = re.findall(r"resumed from \S+ at step (\d+): epoch \d+ from batch (\d+)", log)
+    resumed = [int(step) for step, _ in restarts]
+    assert len(resumed) == 2 and resumed[0] >= int(notice[2] or 0), (resumed, notice.groups())
+    assert all(int(batch) > 0 for _, batch in restarts), restarts  # inside an epoch, both times
+    by_age = lambda rank: sorted(seen.glob(f"rank-{rank}-*.txt"), key=lambda p: p.stat().st_mtime)  # noqa: E731
+    zeros, ones = by_age(0), by_age(1)
+    assert len(zeros) == 3 and len(ones) == 2, sorted(p.name for p in seen.iterdir())
+    lines = lambda path, n=None: [i for line in path.read_text().splitlines()[:n]  # noqa: E731
+                                  for i in map(int, line.split())]
+    trained = lines(zeros[0], resumed[0]) + lines(ones[0], resumed[0])  # one batch a step at 2 workers
+    trained += lines(zeros[1], 2 * (resumed[1] - resumed[0]))  # two at 1
+    trained += lines(zeros[2]) + lines(ones[1])
+    counts = collections.Counter(trained)
+    assert set(counts) == set(range(size)) and set(counts.values()) == {epochs}, collections.Counter(counts.values())
+
+
+def drain(proc: subprocess.Popen, profile, leaders: dict, epochs: int):
+    """After the first epoch, the worker node drained (PREEMPTION, 6 s), and stopped well past
+    the deadline; (the console so far, the notice's match)."""
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if re.match(rf"epoch +1/{epochs}", line):
+            break
+    worker = next(n for n in Dashboard.for_profile(profile).alive_nodes() if not n.is_head)
+    drained = time.time()
+    # What a KubeRay worker pod's preStop hook runs: Ray's drain (PREEMPTION), then a wait until
+    # the deadline, which keeps the pod up while the run checkpoints.
+    drain = subprocess.run([sys.executable, "-m", "raytrain_app.cluster.drain", "--deadline-s", "6",
+                            "--address", f"127.0.0.1:{profile.ports()['port']}", "--node-id", worker.node_id,
+                            "--reason", "spot reclaim"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": profile.token()})
+    assert drain.returncode == 0 and f"node {worker.node_id[:12]} drained" in drain.stdout, drain.stdout + drain.stderr
+    assert time.time() - drained >= 5.5  # it waited out the deadline
+    notice = None
+    for line in proc.stdout:
+        said.append(line)
+        notice = re.match(r"warning: preemption notice: node (\w+) \(rank [01]\) goes away in \d+s; a checkpoint at "
+                          r"(?:step (\d+) \(epoch (\d+), batch (\d+)\)|the end of epoch (\d+)),", line)
+        if notice:
+            break
+    assert notice and worker.node_id.startswith(notice[1]), said
+    # Well past the deadline (by when Ray Train has stopped the group, counting a preemption; a
+    # node stopped first would kill its workers, a failure that max_failures counts) the cloud
+    # takes the node: its processes stop.
+    time.sleep(max(0.0, drained + 14 - time.time()))
+    os.killpg(leaders["worker"], signal.SIGTERM)
+    return said, notice

@@ -5,6 +5,7 @@ Without SLURM's packages (or root) the module skips with the reason, except in C
 where that fails: `.ci/run` installs them.
 """
 
+import collections
 import json
 import os
 import re
@@ -84,7 +85,8 @@ def test_two_jobs_share_a_node_and_status_logs_stop_and_list_show_slurms_view(sl
     run_dir = re.search(r"run directory (\S+)", short.stdout).group(1)
     assert [line["epoch"] for line in map(yaml.safe_load, open(f"{run_dir}/{trial}/metrics.jsonl"))] == [1, 2]
     script = open(f"{run_dir}/job.sbatch").read()
-    assert "#SBATCH --time=10:00" in script and f"sweep --resume {run_dir} --address auto --min-nodes 1" in script
+    assert "#SBATCH --time=10:00" in script and "--requeue" not in script  # a sweep's trials are not stopped
+    assert f"sweep --resume {run_dir} --address auto --min-nodes $SLURM_JOB_NUM_NODES" in script
     assert subprocess.run(["bash", "-n", f"{run_dir}/job.sbatch"]).returncode == 0
     assert f"--run-dir {long_run} --resume-if-any" in open(f"{long_run}/job.sbatch").read()
 
@@ -197,31 +199,57 @@ def test_the_rendered_script_for_two_gpu_nodes_asks_slurm_for_them_and_starts_ra
     assert sbatch[:4] == ["--job-name=" + re.search(r"--job-name=(\S+)", script).group(1), "--nodes=2",
                           "--ntasks-per-node=1", "--cpus-per-task=32"]
     assert {"--gpus-per-node=4", "--partition=gpu", "--account=my-lab", "--time=24:00:00", "--exclusive",
-            "--output=/shared/raytrain/runs/slurm-logs/raytrain-%j.out"} <= set(sbatch)
+            "--output=/shared/raytrain/runs/slurm-logs/raytrain-%j.out", "--signal=B:USR1@120",
+            "--requeue"} <= set(sbatch)
     assert "module load cuda/12.4\nsource /shared/envs/raytrain/bin/activate\n" in script
     assert "export NCCL_SOCKET_IFNAME=ib0\nexport GLOO_SOCKET_IFNAME=ib0\n" in script
     assert '--node-ip-address="$(ip -o -4 addr show dev ib0' in script and "--num-gpus=4" in script
-    assert re.search(r'srun --nodes=1 --ntasks=1 --exclude="\$head" \\\n  bash -c .ray_node --address=', script)
+    assert re.search(r'srun --nodes="\$others" --ntasks="\$others" --exclude="\$head" \\\n    bash -c .ray_node '
+                     r'--address=', script)
     config = yaml.safe_load(script.split("<<'RAYTRAIN_JOB_CONFIG'\n")[1].split("\nRAYTRAIN_JOB_CONFIG\n")[0])
     assert (config["scaling"]["workers"], config["scaling"]["backend"]) == (8, "nccl")
-    assert script.rstrip().splitlines()[-1].startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.cli "
-                                                      "train - --address auto --min-nodes 2 --node-timeout 900 ")
+    entrypoint = next(line for line in script.splitlines() if line.startswith("printenv RAYTRAIN_JOB_CONFIG"))
+    assert entrypoint.startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.cli train - --address auto "
+                                 "--min-nodes $SLURM_JOB_NUM_NODES --node-timeout 900 ") and entrypoint.endswith(" &")
+    # A range of nodes: SLURM starts the job on as many as it has, up to the max; the workers are a
+    # range (elastic), and the job waits for every node of the allocation it got.
+    ranged = command(["slurm", "render", "examples/digits.yaml", "--cluster", "cluster/slurm.yaml", "--nodes", "2:4",
+                      "--gpus-per-node", "4", "--skip-checks", "--set", "scaling.on_resize=scale_lr"], REPO, None, 60)
+    assert ranged.returncode == 0, ranged.stderr
+    assert "#SBATCH --nodes=2-4\n" in ranged.stdout
+    config = yaml.safe_load(ranged.stdout.split("<<'RAYTRAIN_JOB_CONFIG'\n")[1].split("\nRAYTRAIN_JOB_CONFIG\n")[0])
+    assert config["scaling"]["workers"] == {"min": 8, "max": 16}
 
 
-def test_a_requeued_job_resumes_its_run_from_the_checkpoint(slurm, profile):
-    """`scontrol requeue` after epoch 1, as an admin or a preemption would: SLURM runs the same job
-    again (same id), whose `train --resume-if-any` takes the run's lease back at once (the same
-    job) and continues from the epoch-1 checkpoint; its epochs go on, none repeated."""
+def test_sigusr1_checkpoints_mid_epoch_requeues_the_job_and_its_next_start_trains_every_sample_once(
+        slurm, profile, tmp_path):
+    """`scancel --signal=USR1 --batch`, as SLURM's `--signal=B:USR1@N` sends it before a time
+    limit or a preemption: the driver checkpoints at the loop's next check and stops (exit 75), the
+    job requeues itself, and its second start (same id) takes the run's lease back and resumes
+    from that step, inside the epoch; its epochs go on, none repeated, and each recorded sample is
+    trained once per epoch over both starts."""
+    seen, hold = tmp_path / "seen", tmp_path / "hold"
+    seen.mkdir()
+    hold.touch()  # the first start trains slowly, so that the signal finds it training
+    epochs, size = 3, 2000
     job = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--name", "requeued", "--no-wait",
-              "--set", "train.epochs=3", "--set", "checkpoint.every_epochs=1", "--set", "model.name=mlp")
+              "--set", f"train.epochs={epochs}", "--set", "checkpoint.every_epochs=100",
+              "--set", f"data={{name: 'tests.helpers:index_data', args: {{train_size: {size}, eval_size: 5}}}}",
+              "--set", f"model={{name: 'tests.helpers:recorder', args: {{out_dir: '{seen}', per_process: true, "
+                     f"hold: '{hold}'}}}}",
+              "--set", "train.batch_size=4")
     assert job.returncode == 0, job.stderr
     job_id = submitted_id(job.stdout)
     run_dir = re.search(r"run directory (\S+)", job.stdout).group(1)
     deadline = time.monotonic() + 120
-    while not os.path.exists(f"{run_dir}/checkpoint_manager_snapshot.json"):  # epoch 1 is checkpointed
+    while not os.path.exists(f"{run_dir}/metrics.jsonl") or not open(f"{run_dir}/metrics.jsonl").read():
+        assert time.monotonic() < deadline, cli(slurm, "logs", job_id, "--cluster", profile).stdout  # epoch 1 done
+        time.sleep(0.5)
+    slurm.run("scancel", "--signal=USR1", "--batch", job_id)
+    while "stopped" not in open(f"{run_dir}/run.json").read():
         assert time.monotonic() < deadline, cli(slurm, "logs", job_id, "--cluster", profile).stdout
-        time.sleep(1)
-    slurm.run("scontrol", "requeue", job_id)
+        time.sleep(0.5)
+    hold.unlink()
     deadline = time.monotonic() + 180
     while (state := slurm.run("squeue", "--noheader", "--states=all", "--format=%T %r", "--jobs", job_id).strip()) \
             != "COMPLETED None":
@@ -230,14 +258,27 @@ def test_a_requeued_job_resumes_its_run_from_the_checkpoint(slurm, profile):
             slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
         time.sleep(1)
     rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-    assert [row["epoch"] for row in rows] == [1, 2, 3]
+    assert [row["epoch"] for row in rows] == list(range(1, epochs + 1))
+    status = cli(slurm, "status", job_id, "--cluster", profile)
+    assert status.returncode == 0 and "COMPLETED, requeued 1x" in status.stdout, status.stdout + status.stderr
     restarts = [json.loads(line) for line in open(f"{run_dir}/restarts.jsonl")]
-    assert [r["kind"] for r in restarts] == ["resume"]  # the second attempt continued the run
+    assert [r["kind"] for r in restarts] == ["resume"]  # the second start continued the run
     logs = cli(slurm, "logs", job_id, "--cluster", profile).stdout
-    resumed = re.search(r"resumed from \S+ at step (\d+): epoch (\d+) from batch 0", logs)
-    assert resumed and int(resumed.group(2)) >= 2, logs
-    # One output file holds both attempts: the first one's epoch 1 is still there, before the resume.
-    first = re.search(r"^epoch +1/3 ", logs, re.M)
+    stopped = re.search(r"stopped on SIGUSR1 at step (\d+) \(epoch (\d+), batch (\d+)\)", logs)
+    assert stopped and "requeueing job" in logs, logs
+    step, epoch, batch = map(int, stopped.groups())
+    resumed = re.search(r"resumed from \S+ at step (\d+): epoch (\d+) from batch (\d+)", logs)
+    assert resumed and tuple(map(int, resumed.groups())) == (step, epoch, batch), logs
+    assert epoch >= 2  # past the first epoch; inside one unless the check fell on an epoch's last step
+    # One output file holds both starts: the first one's epoch 1 is still there, before the resume.
+    first = re.search(rf"^epoch +1/{epochs} ", logs, re.M)
     assert first and first.start() < resumed.start(), logs
+    # The first start trained exactly up to its checkpoint (one batch a step), the second the rest.
+    starts = sorted(seen.glob("rank-0-*.txt"), key=lambda p: p.stat().st_mtime)
+    lines = [path.read_text().splitlines() for path in starts]
+    assert len(lines) == 2 and len(lines[0]) == step, (len(lines[0]), step)
+    counts = collections.Counter(int(i) for part in lines for line in part for i in line.split())
+    assert set(counts) == set(range(size)) and set(counts.values()) == {epochs}, collections.Counter(counts.values())
+    assert ray_processes_of(job_id) == []  # neither start left its Ray behind
     assert json.loads(open(f"{run_dir}/run.json").read())["status"] == "finished"
     assert not os.path.exists(f"{run_dir}/lease.json")

@@ -4,6 +4,7 @@ profile's engine, and the frame that turns the library's exceptions into one lin
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -11,9 +12,10 @@ import click
 
 STARTED = time.time()  # start-up is measured from here: Python itself has run ~0.1 s before
 
-from raytrain_app.errors import TrainingFailed, UserError, last_line  # noqa: E402
+from raytrain_app.errors import Stopped, TrainingFailed, UserError, last_line  # noqa: E402
 
 EXIT_FAILED, EXIT_USAGE, EXIT_BROKEN_PIPE = 1, 2, 141  # 141: what a shell reports for SIGPIPE
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint, to be resumed
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,7 +46,24 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", hel
                                                                                   "repeatable.")
 
 
-WORKERS = click.option("--workers", type=int, help="Training workers (overrides scaling.workers).")
+class CountOrRange(click.ParamType):
+    """N, or MIN:MAX for an elastic run; the config (or the cluster's shape) says what is wrong
+    with the numbers themselves."""
+
+    name = "N|MIN:MAX"
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip()
+        if not re.fullmatch(r"-?\d+|\d+:\d+", text):
+            self.fail(f"{value!r} is not a number of {self.what} or a range MIN:MAX", param, ctx)
+        return text
+
+
+WORKERS = click.option("--workers", type=CountOrRange("workers"), help="Training workers, or a range MIN:MAX for "
+                                                                       "an elastic run (overrides scaling.workers).")
 
 
 GPUS_PER_WORKER = click.option("--gpus-per-worker", type=float, help="GPUs per worker (overrides "
@@ -103,6 +122,9 @@ class exit_codes:
         if isinstance(error, TrainingFailed):
             click.echo(_bounded(f"training failed: {error}"), err=True)
             sys.exit(EXIT_FAILED)
+        if isinstance(error, Stopped):
+            click.echo(_bounded(f"stopped: {error}"), err=True)
+            sys.exit(EXIT_STOPPED)
         if isinstance(error, KeyboardInterrupt):
             how = getattr(error, "how_to_continue", "")
             click.echo(f"interrupted: {how}" if how else "interrupted", err=True)

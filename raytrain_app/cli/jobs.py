@@ -14,6 +14,7 @@ from raytrain_app.cli.base import (
     MAX_FAILURES,
     SCRIPT_ARGS,
     SET,
+    CountOrRange,
     engine_of,
     exit_codes,
     main,
@@ -31,7 +32,8 @@ def _job_on_cluster(command):
         click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False)),
         SCRIPT_ARGS,
         PROFILE,
-        click.option("--nodes", type=int, help="Nodes to use (default: the profile's)."),
+        click.option("--nodes", type=CountOrRange("nodes"), help="Nodes to use, or a range MIN:MAX for an "
+                                                                 "elastic run (default: the profile's)."),
         click.option("--gpus-per-node", type=int, help="GPUs per node; one worker per GPU (default: the profile's)."),
         click.option("--cpus-per-node", type=int, help="CPUs per node (default: the profile's)."),
         click.option("--workers-per-node", type=int, help="Workers per node on a CPU cluster (default 1)."),

@@ -42,13 +42,15 @@ def workers_that_fit(nodes: list[Node], cpus_per_worker: float, gpus_per_worker:
 
 
 def check_workers_fit(nodes: list[Node], config: JobConfig) -> None:
-    """`train`: the workers may go to any node; Ray Data's CPUs (`spare_cpus`) anywhere."""
+    """`train`: the workers may go to any node; Ray Data's CPUs (`spare_cpus`) anywhere. A range
+    needs its `min` (it grows as room appears)."""
     s = config.scaling
     fit = workers_that_fit(nodes, s.cpus_per_worker, s.gpus_per_worker, s.resources.get("memory", 0))
-    if fit < s.workers:
-        raise UserError(f"the cluster holds {fit} workers of {_worker(s)} each, not {s.workers}: it has "
+    if fit < s.min_workers:
+        wanted = f"the {s.min_workers} a range starts at (scaling.workers min)" if s.elastic else str(s.workers)
+        raise UserError(f"the cluster holds {fit} workers of {_worker(s)} each, not {wanted}: it has "
                         f"{describe_capacity(nodes)}")
-    _check_spare(nodes, s.workers * s.cpus_per_worker, spare_cpus(config))
+    _check_spare(nodes, s.min_workers * s.cpus_per_worker, spare_cpus(config))
 
 
 def check_shape_fits(nodes: list[Node], node_count: int, per_node: int, config: JobConfig) -> None:

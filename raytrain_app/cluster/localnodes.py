@@ -85,6 +85,13 @@ def cluster_down(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
     echo(f"cluster '{profile.name}' is down ({count(stopped, 'node')} stopped)")
 
 
+def add_node(profile: ClusterProfile, index: int) -> psutil.Process:
+    """Node `index` joining the running local cluster, as a cloud adds one under a run (the tests
+    and benchmarks grow a cluster with it); not recorded, so its caller stops it."""
+    temp = Path(profile.temp_dir)
+    return _start_node(profile, index, _node_env(profile), temp, json.loads((temp / PORTS_FILE).read_text()))
+
+
 def _check_startable(profile: ClusterProfile, verb: str) -> None:
     """Only local nodes and Ray's launcher are ours to start and stop."""
     owner = {"slurm": "SLURM allocates nodes per job, and each job starts and stops its own Ray",
@@ -103,8 +110,16 @@ def running_pids(profile: ClusterProfile) -> list[int]:
 
 
 def stop_nodes(profile: ClusterProfile, leaders: list[int]) -> int:
-    """SIGTERM every process of these nodes, as `ray stop` would but only ours; SIGKILL what lingers.
-    Returns how many node leaders there were."""
+    """Stop these nodes (`stop_processes`) and forget the cluster. Returns how many node leaders
+    there were."""
+    stop_processes(leaders)
+    _forget(profile)
+    return len(leaders)
+
+
+def stop_processes(leaders: list[int]) -> None:
+    """SIGTERM every process of these nodes, as `ray stop` would but only ours; SIGKILL what lingers
+    (also a node `add_node` started)."""
     seen: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while True:
@@ -123,8 +138,6 @@ def stop_nodes(profile: ClusterProfile, leaders: list[int]) -> int:
             psutil.wait_procs(alive, timeout=STOP_TIMEOUT_S)
             if not node_processes(leaders):
                 break
-    _forget(profile)
-    return len(leaders)
 
 
 def node_processes(leaders: list[int]) -> list[psutil.Process]:

@@ -107,6 +107,11 @@ class Slurm(Section):
                                                        "(default: the cluster's default partition)")
     account: Optional[str] = Field(None, description="sbatch --account")
     time_limit: Optional[str] = Field(None, description="sbatch --time: MINUTES, HH:MM:SS or DAYS-HH:MM:SS")
+    signal_s: Optional[int] = Field(120, ge=1, le=65535,
+                                    description="SLURM sends the job SIGUSR1 this long before its time limit "
+                                                "(--signal=B:USR1@N), as a preemption with a grace time does: "
+                                                "the run checkpoints at its next step, stops, and the job "
+                                                "requeues itself (--requeue) to resume; null: neither")
     sbatch_options: list[str] = Field(default_factory=list, description='more sbatch options, one per item, e.g. '
                                                                         '"--qos=high" or "--constraint=a100"')
     setup: list[str] = Field(default_factory=list, description="shell lines run before Ray starts, e.g. `module "
@@ -167,6 +172,11 @@ class KubeRay(Section):
                                                           "the run directory in storage")
     active_deadline_s: Optional[int] = Field(None, gt=0, description="activeDeadlineSeconds: fail a job running "
                                                                     "longer than this")
+    termination_grace_s: int = Field(60, ge=15, le=3600,
+                                     description="a worker pod's terminationGracePeriodSeconds; a pod being "
+                                                 "deleted (a spot reclaim, an eviction) first drains its Ray node "
+                                                 "with a deadline 10 s inside it (a preStop hook), so the run "
+                                                 "checkpoints at the step it is at")
 
 
 class ClusterProfile(Section):

@@ -82,12 +82,12 @@ def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optiona
     whose nodes are still starting (a SLURM allocation's) is given `node_timeout_s` to reach
     `min_nodes`. An embedded cluster gets a `dashboard` for Ray Train's placement-group cleaner
     (what frees a trial's workers when Tune stops it)."""
-    choice = choose_cluster(address, scaling.workers, scaling.cpus_per_worker, scaling.gpus_per_worker)
+    choice = choose_cluster(address, scaling.min_workers, scaling.cpus_per_worker, scaling.gpus_per_worker)
     if min_nodes > 1 and not choice.address:
         raise UserError(f"--min-nodes {min_nodes} is for joining a running cluster: name it with --address")
     if choice.note:
         echo(choice.note)
-    needed = int(scaling.workers * scaling.cpus_per_worker + spare_cpus + 0.999)
+    needed = int(scaling.max_workers * scaling.cpus_per_worker + spare_cpus + 0.999)
     if choice.current:  # the caller's connection, left as it was
         yield
     elif choice.address is None:

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
+from raytrain_app.config.batching import batching, resize_problems
 from raytrain_app.config.files import ConfigDoc, dumps, read_yaml, validated
 from raytrain_app.config.sections import (
     SCRIPT_SECTIONS,
@@ -67,7 +68,7 @@ class JobConfig(Section):
         if self.schedule.warmup_epochs > self.train.epochs:
             problems.append("schedule.warmup_epochs: must be at most train.epochs "
                             f"({self.train.epochs}), got {self.schedule.warmup_epochs:g}")
-        several = self.scaling.workers > 1
+        several = self.scaling.max_workers > 1
         # torch.compile splits a DDP model's graph at DDP's buckets, the first of them 1 MiB, and
         # refuses smaller ones with an AssertionError deep in the first step.
         if self.train.compile != "off" and several and self.train.ddp_bucket_cap_mb < 1:
@@ -75,10 +76,13 @@ class JobConfig(Section):
                             f"worker, got {self.train.ddp_bucket_cap_mb:g}")
         # torch's DDP with static_graph fails an internal assert on the first backward under
         # no_sync() (pytorch/pytorch#143580), and accumulation runs its micro-batches under no_sync().
-        if self.train.ddp_static_graph and self.train.grad_accum_steps > 1 and several:
+        sizes = range(self.scaling.min_workers, self.scaling.max_workers + 1)
+        steps = [batching(self.train, self.scaling, w) for w in sizes if w > 1]
+        if self.train.ddp_static_graph and any(b and b.accum_steps > 1 for b in steps):
             problems.append("train.ddp_static_graph: must be false with train.grad_accum_steps > 1 and more than "
                             "one worker (torch's DDP cannot accumulate gradients under a static graph: "
                             "pytorch/pytorch#143580)")
+        problems += resize_problems(self.train, self.scaling)
         problems += self._strategy_problems() + self._ray_data_problems()
         if self.script is not None:
             problems += [f"{key}: is not used with a script, which trains itself (a script takes "
@@ -119,11 +123,13 @@ class JobConfig(Section):
         return problems
 
     def _strategy_problems(self) -> list[str]:
-        st, workers = self.strategy, self.scaling.workers
+        st, s = self.strategy, self.scaling
         problems = []
-        if st.name == "hsdp" and st.replicate_degree != "auto" and workers % st.replicate_degree:
-            problems.append(f"strategy.replicate_degree: {st.replicate_degree} does not divide the {workers} workers "
-                            "into equal shard groups")
+        uneven = [w for w in range(s.min_workers, s.max_workers + 1)
+                  if st.replicate_degree != "auto" and w % st.replicate_degree]
+        if st.name == "hsdp" and uneven:
+            problems.append(f"strategy.replicate_degree: {st.replicate_degree} does not divide the "
+                            f"{' or '.join(map(str, uneven))} workers into equal shard groups")
         if st.sharded and st.cpu_offload and self.train.compile != "off":
             problems.append("strategy.cpu_offload: cannot be combined with train.compile (FSDP2 offloading moves "
                             "parameters outside the compiled graph): turn one of them off")

@@ -30,12 +30,19 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 class Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2's core schema for booleans and floats."""
+    """SafeLoader with YAML 1.2's core schema for booleans, floats and integers: no base-60
+    integers, so `workers: 2:8` is the range it reads as, not 128."""
 
 
 Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",)]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",
+                                                                      "tag:yaml.org,2002:int")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
 Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                              list("tTfF"))
 Loader.add_implicit_resolver(
@@ -193,9 +200,16 @@ def validated(model: type[Model], doc: ConfigDoc) -> Model:
                             for path, message in problems]) from None
 
 
+# A tagged union's branches, which pydantic names in an error's location like keys (see
+# ScalingConfig.workers): left out of the key a message names.
+NUMBER, RANGE = "<number>", "<range>"
+UNION_BRANCHES = {NUMBER, RANGE}
+
+
 def _messages(model: type[BaseModel], error: dict) -> list[tuple[tuple, str]]:
     """(key path, message) pairs for one pydantic error; a rule spanning fields may report several."""
-    loc, kind, value = tuple(error["loc"]), error["type"], error.get("input")
+    loc = tuple(part for part in error["loc"] if part not in UNION_BRANCHES)
+    kind, value = error["type"], error.get("input")
     ctx = error.get("ctx", {})
     if kind == "value_error":
         text = str(ctx.get("error", error["msg"]))

@@ -33,7 +33,7 @@ def resolve_auto(config: JobConfig) -> JobConfig:
     if config.script:  # Ray Train's own group only starts the workers; the script picks its backend
         return updated(config, {"scaling": {"backend": "gloo"}})
     gpu = config.scaling.gpus_per_worker > 0
-    shared = config.scaling.gpus_per_worker < 1 and config.scaling.workers > 1
+    shared = config.scaling.gpus_per_worker < 1 and config.scaling.max_workers > 1
     train, scaling = {}, {}
     if config.train.precision == "auto":
         train["precision"] = "bf16" if gpu else "fp32"

@@ -7,10 +7,20 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from raytrain_app.config import registry
+from raytrain_app.config.files import NUMBER, RANGE
 
 
 class Section(BaseModel):
@@ -243,8 +253,38 @@ class CheckpointConfig(Section):
                                                                     "r2; min for losses and errors")
 
 
+class WorkerRange(Section):
+    """An elastic run's bounds: Ray Train starts the group once `min` workers fit, grows it toward
+    `max` as room appears and shrinks it when nodes go, restarting from the latest checkpoint."""
+
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min >= self.max:
+            raise ValueError(f"min ({self.min}) must be below max ({self.max}); a fixed size is a number")
+        return self
+
+
+# A number or a range, told apart before validation: an error then names what was wrong with the
+# one meant, not with both.
+Workers = Annotated[Union[Annotated[int, Field(ge=1), Tag(NUMBER)], Annotated[WorkerRange, Tag(RANGE)]],
+                    Discriminator(lambda v: RANGE if isinstance(v, (dict, WorkerRange)) else NUMBER)]
+
+
 class ScalingConfig(Section):
-    workers: int = Field(2, ge=1)
+    workers: Workers = Field(
+        2, description="a number, or a range `{min: 2, max: 8}` (`2:8`, `--workers 2:8`): an elastic run, which "
+                       "starts once min fit and resizes as nodes come and go")
+    on_resize: Literal["keep_global_batch", "scale_lr"] = Field(
+        "keep_global_batch", description="what a range's resize does: keep_global_batch keeps batch_size x "
+                                         "max workers x grad_accum_steps and the lr, with more micro-batches "
+                                         "per step (or smaller ones) on fewer workers; scale_lr keeps the "
+                                         "per-worker batch, and the lr follows optimizer.scale_lr")
+    resize_interval_s: float = Field(60.0, gt=0, allow_inf_nan=False,
+                                     description="how often a range's run looks for room to grow (Ray Train's "
+                                                 "elastic_resize_monitor_interval_s)")
     gpus_per_worker: float = Field(0.0, ge=0, allow_inf_nan=False, description="a share of one GPU (workers share "
                                                                              "it), or whole GPUs: a model builder "
                                                                              "taking `devices` gets them all")
@@ -265,6 +305,32 @@ class ScalingConfig(Section):
                                                                     "nothing is lost: train on this machine, no "
                                                                     "--address, no Ray Data, no script)")
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _range_text(cls, value):
+        """`2:8`, as YAML and the --workers flag give a range."""
+        if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*:\s*\d+\s*", value):
+            low, high = value.split(":")
+            return {"min": int(low), "max": int(high)}
+        return value
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.workers, WorkerRange)
+
+    @property
+    def min_workers(self) -> int:
+        return self.workers.min if self.elastic else self.workers
+
+    @property
+    def max_workers(self) -> int:
+        """The size the run asks for; what a range's global batch is configured at."""
+        return self.workers.max if self.elastic else self.workers
+
+    def describe_workers(self) -> str:
+        return f"{self.workers.min} to {self.workers.max} workers" if self.elastic else \
+            f"{self.workers} worker{'s' if self.workers != 1 else ''}"
+
     @property
     def resources(self) -> dict:
         """One worker's Ray resources."""
@@ -280,7 +346,7 @@ class ScalingConfig(Section):
             raise ValueError("backend: nccl needs GPUs (gpus_per_worker is 0): use gloo or auto")
         # Ray packs fractional GPUs, so workers share a device, and NCCL refuses two ranks on one
         # ("Duplicate GPU detected"), which it says only after the worker group has started.
-        if self.backend == "nccl" and self.gpus_per_worker < 1 and self.workers > 1:
+        if self.backend == "nccl" and self.gpus_per_worker < 1 and self.max_workers > 1:
             raise ValueError(f"backend: nccl cannot run two ranks on one GPU, and gpus_per_worker "
                              f"{self.gpus_per_worker:g} makes workers share GPUs: use gloo or auto, or whole GPUs")
         return self

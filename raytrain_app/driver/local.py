@@ -49,6 +49,8 @@ def cannot(config: JobConfig, address: Optional[str] = None, min_nodes: int = 1)
         (bool(config.script), "a script runs under Ray Train's controller"),
         (config.data.engine == "ray_data", "data.engine ray_data needs a Ray cluster"),
         (bool(address) or min_nodes > 1, "--address and --min-nodes join a Ray cluster"),
+        (s.elastic, f"a range of workers ({s.min_workers}:{s.max_workers}) resizes through Ray Train's "
+                    "controller"),
         (s.gpus_per_worker not in (0, 1), f"gpus_per_worker {s.gpus_per_worker:g}: local mode gives each worker "
                                           "one whole GPU or none"),
     ) if given]
@@ -64,14 +66,14 @@ def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connec
         raise UserError(f"--local (scaling.local: true): {cannot_here[0]}; drop --local, or what needs Ray")
     if s.local == "auto":  # a cluster this process joined, or that `cluster up` started, is there to be used
         return not (cannot_here or ray_connected or os.environ.get("RAY_ADDRESS")
-                    or running_local_cluster(s.workers, s.cpus_per_worker, s.gpus_per_worker))
+                    or running_local_cluster(s.max_workers, s.cpus_per_worker, s.gpus_per_worker))
     return s.local
 
 
 def in_this_process(config: JobConfig, trial: bool) -> bool:
     """One worker runs in this process, but not in a sweep's trial: Ray Train refuses its API
     (`get_context`) inside a Tune function, so a trial's one worker is a process of its own."""
-    return config.scaling.workers == 1 and not trial
+    return config.scaling.max_workers == 1 and not trial
 
 
 def fresh_events(in_process: bool):
@@ -134,7 +136,7 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
                 if in_process:
                     worker.train(args)
                 else:
-                    _launch(args, config.scaling.workers, os.path.join(log_dir, "local"), f"launch-{failures + 1}")
+                    _launch(args, config.scaling.max_workers, os.path.join(log_dir, "local"), f"launch-{failures + 1}")
             return
         except (KeyboardInterrupt, UserError):
             raise

@@ -95,7 +95,7 @@ def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: 
     if not config.script:
         tracking.check(config.tracking, run_dir)
         config = absolute_paths(config)
-    if config.strategy.sharded and config.scaling.workers == 1:
+    if config.strategy.sharded and config.scaling.max_workers == 1:
         warnings.append(f"strategy {config.strategy.name} on one worker has nothing to shard over: training it "
                         "unsharded")
     return RunPlan(config, run_dir, bool(resume), tuple(warnings), held, local, trial)

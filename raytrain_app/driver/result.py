@@ -32,7 +32,7 @@ def summary(result: Result) -> str:
         return summary_table([
             ("run", result.run_dir),
             ("script", " ".join([c.script.path, *c.script.args])),
-            ("workers", str(c.scaling.workers)),
+            ("workers", c.scaling.describe_workers()),
             ("reports", f"{len(result.metrics)} in metrics.jsonl" + (f", last: {_values(last)}" if last else "")),
             ("final checkpoint", result.final_checkpoint or "-"),
             ("report", result.report or "-"),
@@ -40,7 +40,7 @@ def summary(result: Result) -> str:
         ])
     rows = [
         ("run", result.run_dir),
-        ("workers", f"{c.scaling.workers} x {c.scaling.backend}, {c.train.precision}"),
+        ("workers", f"{c.scaling.describe_workers()} x {c.scaling.backend}, {c.train.precision}"),
         ("epochs", f"{last.get('epoch', 0)} of {c.train.epochs}"),
         *((("stopped early", result.stopped_early.split(": ", 1)[1]),) if result.stopped_early else ()),
         ("final train_loss", f"{last.get('train_loss', float('nan')):.4f}"),

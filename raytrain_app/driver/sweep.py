@@ -126,6 +126,8 @@ def plan_sweep(config: JobConfig, param_exprs: Sequence[str], samples: int, sche
         raise UserError("sweep runs job configs; a script's settings are its own arguments")
     if config.scaling.local is True:
         raise UserError("scaling.local: true: a sweep's trials run under Ray Tune, on Ray; drop scaling.local")
+    if config.scaling.elastic:
+        raise UserError("scaling.workers: a sweep's trials run at a fixed size, not a range: give a number")
     config = resolve_auto(config)
     params = [Param.parse(expr) for expr in param_exprs]
     if len({p.key for p in params}) < len(params):
@@ -187,7 +189,7 @@ def submission(sweep: Sweep, profile: ClusterProfile, sweep_dir: Optional[str], 
     # A local path as the cluster sees it: its jobs run in their working_dir, not here.
     sweep_dir = storage.normalize(sweep_dir or storage.join(storage.normalize(profile.storage), job_id))
     entrypoint = (f"python -m raytrain_app.cli sweep --resume {shlex.quote(sweep_dir)} "
-                  f"{on_the_cluster(profile, nodes)}")
+                  f"{on_the_cluster(profile)}")
     runtime_env = job_runtime_env(profile, job_folder(profile), {})
     return Submission(profile, sweep.config, job_id, sweep_dir, nodes, per_node, runtime_env, entrypoint,
                       files={} if resume else {SPEC_FILE: sweep.spec()}, sweep=sweep.describe())

@@ -10,9 +10,10 @@ import functools
 import json
 import os
 import queue
+import signal
 import threading
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from typing import Optional, Sequence
 
 import ray
@@ -20,19 +21,21 @@ import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
 from ray.util.queue import Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_app import rundir, storage, tracking
-from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes, describe_capacity, workers_that_fit
+from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes
 from raytrain_app.cluster.session import lost_local_node
 from raytrain_app.config import JobConfig, dump_yaml
-from raytrain_app.config.sections import FailureConfig, ScalingConfig
-from raytrain_app.console import Progress, count, epoch_line, startup_line, startup_phases
+from raytrain_app.config.sections import ScalingConfig
+from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.data.raydata import read_train
-from raytrain_app.driver import local
+from raytrain_app.driver import local, placement
 from raytrain_app.driver.plan import RunPlan
 from raytrain_app.driver.result import Result
 from raytrain_app.errors import (
     CheckpointNotWritten,
+    Stopped,
     TrainingFailed,
     UserError,
     describe,
@@ -41,9 +44,10 @@ from raytrain_app.errors import (
     process_died,
     timed_out,
 )
-from raytrain_app.rayinternals import draining_nodes, placement_timed_out
+from raytrain_app.rayinternals import placement_timed_out
 from raytrain_app.rundir import snapshot
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
+from raytrain_app.worker.preemption import StopFlag
 from raytrain_app.worker.script import RestartCount, run_script_per_worker
 
 
@@ -77,11 +81,16 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     if plan.local:
         in_process = local.in_this_process(config, plan.trial)
         events, sent_to = local.fresh_events(in_process)
-        restarts = None
+        restarts = stop_flag = None
     else:
         _ray_train_settings(config)
-        events = sent_to = Queue(actor_options={"num_cpus": 0})  # it fits anywhere, a Tune trial's placement too
-        restarts = RestartCount.remote() if config.script else None
+        # Beside this driver, on no resources: not on a node that a preemption or a resize takes
+        # away, and fitting inside a Tune trial's placement too.
+        here = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)}
+        events = sent_to = Queue(actor_options=here)
+        restarts = RestartCount.options(**here).remote() if config.script else None
+        stop_flag = None if config.script else StopFlag.options(**here).remote()
     marks = {**(marks or {}), "fit": time.time()}
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=sent_to, progress=progress,
                       log_dir=storage.join(plan.run_dir, "logs"),
@@ -91,24 +100,29 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
                       # Decided here, once for every rank (asking is a collective). Ray Train's notices
                       # come from its preemption watcher, which a one-machine cluster runs without
                       # (cluster/session.py); local mode has no Ray cluster at all.
-                      notices=not plan.local and os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1") != "0")
+                      notices=not plan.local and os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1") != "0",
+                      stop_flag=stop_flag)
     # In local mode no Ray Train controller calls `callbacks`: the listener hands them each epoch's report.
-    listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks,
-                             storage.join(plan.run_dir, "startup.json"), callbacks if plan.local else ())
+    listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks, plan.run_dir,
+                             callbacks if plan.local else ())
     listener.start()
     try:
         if plan.local:
             final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
         else:
-            final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
+            with stop_on_usr1(stop_flag, echo):
+                final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
             raise TrainingFailed(_nonfinite_message(listener.nonfinite, final))
+        if listener.stopped:
+            raise Stopped(_stopped_message(listener.stopped, plan.run_dir))
     except BaseException as e:
-        ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped" if isinstance(e, Stopped) else \
+            "failed"
         with suppress(Exception):  # neither may hide why the run ended
             rundir.remove_partial(plan.run_dir)  # first: on a full disk, that frees the space to say so
             rundir.record_status(plan.run_dir, ended, last_line(e))
-            tracking.finish(config.tracking, plan.run_dir, "KILLED" if ended == "interrupted" else "FAILED")
+            tracking.finish(config.tracking, plan.run_dir, "FAILED" if ended == "failed" else "KILLED")
         raise
     best, best_metrics = rundir.best(plan.run_dir, rows=history.rows())
     best_uri = best.path if best else None
@@ -140,7 +154,7 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
         run_config=ray.train.RunConfig(
             name=os.path.basename(run_dir),
             storage_path=os.path.dirname(run_dir),
-            failure_config=failure_config(config.failure),
+            failure_config=failure_config(config),
             callbacks=callbacks,
             checkpoint_config=ray.train.CheckpointConfig(  # a script's checkpoints: the newest are kept
                 num_to_keep=config.checkpoint.keep,
@@ -149,7 +163,8 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
             ),
         ),
     )
-    result = _fit(trainer, listener, args.events, args.restarts, config, run_dir)
+    watch = placement.RangeWatch(config, run_dir, listener.echo) if config.scaling.elastic else None
+    result = _fit(trainer, listener, args, config, run_dir, watch)
     return storage.checkpoint_uri(run_dir, result.checkpoint) if result.checkpoint else None
 
 
@@ -171,11 +186,15 @@ def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str
     return snapshot.latest(run_dir)
 
 
-def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restarts, config: JobConfig,
-         run_dir: str):
+def _fit(trainer: TorchTrainer, listener: "EventListener", args: WorkerArgs, config: JobConfig, run_dir: str,
+         watch: Optional[placement.RangeWatch]):
+    if watch:
+        watch.start()
     try:
         return trainer.fit()
     except BaseException as e:
+        if watch and watch.gave_up:
+            raise TrainingFailed(watch.gave_up) from None
         # A lost embedded node reaches here looking like an interrupt or a failed controller: if
         # that is what happened, the node watch says so and ends the process (see NodeWatch).
         lost_local_node(wait_s=0.5 if isinstance(e, ray.exceptions.RayActorError) else 0)
@@ -187,26 +206,24 @@ def _fit(trainer: TorchTrainer, listener: "EventListener", events: Queue, restar
             raise KeyboardInterrupt from None
         raise
     finally:
+        if watch:
+            watch.stop()
         listener.stop()
-        ray.kill(events.actor)
-        if restarts is not None:
-            ray.kill(restarts)
+        ray.kill(args.events.actor)
+        for actor in (args.restarts, args.stop_flag):
+            if actor is not None:
+                ray.kill(actor)
 
 
-# Tries to start a worker group, `failure.placement_timeout_s` shared between them: a start that
-# fails for a passing reason (a node that died while its worker started) gets a second try; a
-# group the cluster cannot place ends the run rather than waiting again, and forever.
-START_TRIES = 2
-
-
-def failure_config(failure: FailureConfig) -> ray.train.FailureConfig:
+def failure_config(config: JobConfig) -> ray.train.FailureConfig:
     """Ray Train's retry budgets: worker failures, preemptions apart from them, and starts (see
-    START_TRIES; each try's timeout is set in `_ray_train_settings`)."""
+    `placement.py`; each try's timeout is set in `_ray_train_settings`)."""
+    failure, tries = config.failure, placement.start_tries(config)
     return ray.train.FailureConfig(max_failures=failure.max_failures,
                                    max_preemption_failures=failure.max_preemption_failures,
                                    preemption_grace_s=failure.preemption_grace_s,
                                    relax_collectives_on_preemption=failure.preemption_grace_s > 0,
-                                   controller_failure_limit=START_TRIES - 1)
+                                   controller_failure_limit=tries - 1 if tries > 0 else -1)
 
 
 def _picture(run_dir: str, echo) -> Optional[str]:
@@ -231,7 +248,7 @@ def _ray_train_settings(config: JobConfig) -> None:
     # collectives such as the barrier inside ray.train.report, which has none by default.
     os.environ["RAY_TRAIN_COLLECTIVE_TIMEOUT_S"] = str(config.scaling.timeout_s)
     # How long Ray Train waits for a (re)started group's workers to be placed, each try.
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.failure.placement_timeout_s / START_TRIES)
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(placement.start_timeout_s(config))
     # Workers stay where Ray started them, in a job's uploaded working_dir (or move to the launch
     # directory, see WorkerArgs.cwd), instead of Ray Train's per-run scratch directory.
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
@@ -239,7 +256,7 @@ def _ray_train_settings(config: JobConfig) -> None:
     # epoch, every step checkpoint) waits until the controller has taken the one before: each
     # costs up to a poll interval, as do the start and the finish. Polling a few workers often is
     # cheap; a large group is polled at about 100 workers a second in all.
-    poll_s = min(0.5, max(0.1, 0.01 * config.scaling.workers))
+    poll_s = min(0.5, max(0.1, 0.01 * config.scaling.max_workers))
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = _USER_POLL_INTERVAL or str(poll_s)
     # Ray Train sends what workers print to its own log as well as to stdout; a script's stdout
     # is already captured line by line (script.RankOutput), which would then see every line twice.
@@ -259,12 +276,14 @@ class EventListener(threading.Thread):
     """Drains rank 0's events while fit() blocks the main thread."""
 
     def __init__(self, events: Queue, log: rundir.MetricsLog, progress: Progress, epochs: int, echo, marks: dict,
-                 startup_file: str, callbacks: Sequence[UserCallback] = ()):
+                 run_dir: str, callbacks: Sequence[UserCallback] = ()):
         super().__init__(daemon=True)
         self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
-        self.marks, self.startup_file, self.callbacks = marks, startup_file, callbacks
+        self.marks, self.run_dir, self.callbacks = marks, run_dir, callbacks
+        self.world_size: Optional[int] = None  # the group's, as its rank 0 last said
         self.nonfinite: Optional[dict] = None  # where the workers stopped at a non-finite loss
         self.stopped_early: Optional[str] = None  # why train.early_stopping ended the run
+        self.stopped: Optional[dict] = None  # where the workers stopped on a stop request
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -297,8 +316,14 @@ class EventListener(threading.Thread):
         self.progress.close()
         if kind == "startup":
             phases = startup_phases({**self.marks, **payload})
-            storage.write_text(self.startup_file, json.dumps(phases, indent=1) + "\n")
+            storage.write_text(storage.join(self.run_dir, "startup.json"), json.dumps(phases, indent=1) + "\n")
             self.echo(startup_line(phases))
+        elif kind == "group":  # a (re)started group: an elastic run's resize is one line and a record
+            was, self.world_size = self.world_size, payload["world_size"]
+            if was and was != self.world_size:
+                what = f"{'grew' if self.world_size > was else 'shrank'} {was} -> {self.world_size} workers"
+                self.echo(f"resized: {what}; {payload['step']}")
+                rundir.record_restart(self.run_dir, "resize", what)
         elif kind == "notice":
             self.echo(f"warning: {payload}")
         elif kind == "info":
@@ -308,6 +333,8 @@ class EventListener(threading.Thread):
             self.echo(epoch_line(payload, self.epochs))
             for callback in self.callbacks:
                 callback.after_report(None, [payload], None)
+        elif kind == "stopped":
+            self.stopped = payload
         elif kind == "stopped_early":
             self.stopped_early = f"stopped early after epoch {payload['epoch']}: {payload['reason']}"
             self.echo(self.stopped_early)
@@ -378,18 +405,28 @@ def _unwritten(e: CheckpointNotWritten, run_dir: str) -> str:
     return f"{e}; {then}"
 
 
-def _unplaced(config: JobConfig, run_dir: Optional[str]) -> str:
-    """What the cluster has now, against the group it could not place (after a lost or preempted
-    node, say), and how the run continues."""
-    s, draining = config.scaling, draining_nodes()
-    nodes = [n for n in connected_nodes() if n.node_id not in draining]
-    fit = workers_that_fit(nodes, s.cpus_per_worker, s.gpus_per_worker, s.resources.get("memory", 0))
-    resume = f"`--resume --run-dir {run_dir}`" if run_dir else "--resume"
-    then = (f"{resume} continues from its latest checkpoint" if fit >= s.workers else
-            f"{resume} continues from its latest checkpoint (with --workers {fit} it fits now)" if fit else
-            f"{resume} continues it once the cluster has room")
-    return (f"the cluster could not place {count(s.workers, 'worker')} within {config.failure.placement_timeout_s:g}s "
-            f"(failure.placement_timeout_s): it holds {fit} now ({describe_capacity(nodes)}); {then}")
+@contextmanager
+def stop_on_usr1(stop_flag, echo):
+    """SIGUSR1 (SLURM's warning before a time limit or a preemption, `--signal=B:USR1@GRACE`) asks
+    the workers to checkpoint at their next check and stop; only the main thread can take it."""
+    if stop_flag is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def asked(signum, frame):
+        stop_flag.set.remote("SIGUSR1")
+        echo("SIGUSR1: the run checkpoints at its next check and stops")
+
+    before = signal.signal(signal.SIGUSR1, asked)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def _stopped_message(where: dict, run_dir: str) -> str:
+    return (f"stopped on {where['reason']} at step {where['step']} (epoch {where['epoch']}, batch {where['batch']}), "
+            f"after a checkpoint there; `--resume --run-dir {run_dir}` continues it")
 
 
 def _nonfinite_message(where: dict, latest) -> str:
@@ -405,9 +442,10 @@ def torch_trainer(loop, scaling: ScalingConfig, run_config: ray.train.RunConfig,
     both place their workers alike (resources, placement, backend)."""
     return TorchTrainer(
         loop,
-        scaling_config=ray.train.ScalingConfig(num_workers=scaling.workers, use_gpu=scaling.gpus_per_worker > 0,
-                                               resources_per_worker=scaling.resources,
-                                               placement_strategy=scaling.placement),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(scaling.min_workers, scaling.max_workers) if scaling.elastic else scaling.workers,
+            elastic_resize_monitor_interval_s=scaling.resize_interval_s, use_gpu=scaling.gpus_per_worker > 0,
+            resources_per_worker=scaling.resources, placement_strategy=scaling.placement),
         torch_config=TorchConfig(backend=scaling.backend, timeout_s=scaling.timeout_s),
         datasets=datasets, run_config=run_config)
 
@@ -425,14 +463,14 @@ def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,
         cause = getattr(error, "controller_failure", error)
         with suppress(Exception):  # what the cluster holds, if it still answers; else Ray's words
             if placement_timed_out(cause):
-                return TrainingFailed(_unplaced(config, run_dir))
+                return TrainingFailed(placement.unplaced(config, run_dir))
         return TrainingFailed(describe(cause))
     # A rank whose process died is the cause; its peers' Gloo/NCCL connection errors follow from it.
     ranked = sorted(failures.items(), key=lambda item: (not process_died(item[1]), item[0]))
     clauses = [describe_rank(rank, e) for rank, e in ranked]
     waiting = sorted(rank for rank, e in failures.items() if timed_out(e))
     if waiting:
-        stalled = sorted(set(range(config.scaling.workers)) - set(failures))
+        stalled = sorted(set(range(config.scaling.max_workers)) - set(failures))
         clauses.insert(0, f"a collective timed out after {config.scaling.timeout_s}s (scaling.timeout_s): "
                           f"rank(s) {', '.join(map(str, waiting))} were waiting; "
                           f"rank(s) {', '.join(map(str, stalled)) or 'unknown'} stalled")

@@ -56,7 +56,9 @@ class Loaded:
         chosen = rundir.choose(run_dir, which)
         saved = checkpoints.for_inference(chosen.path, weights=False)
         job = JobConfig.from_dict(saved["config"], source=chosen.path)
-        return cls(chosen, updated(job, {"scaling": {"workers": workers}}) if workers else job,
+        # A training range is not an evaluation's: it runs at a size, the range's largest unless asked.
+        size = workers or job.scaling.max_workers
+        return cls(chosen, updated(job, {"scaling": {"workers": size}}) if size != job.scaling.workers else job,
                    tuple(saved["input_shape"]), saved["preprocess"], saved.get("class_weights"))
 
     @property

@@ -51,6 +51,12 @@ def rayjob(sub: Submission) -> dict[str, Any]:
     pod = {**({"serviceAccountName": k.service_account} if k.service_account else {}),
            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
     shm = {"volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
+    # A worker pod being deleted drains its Ray node first (cluster/drain.py): Ray Train tells the
+    # run, which checkpoints at the step it is at, while the hook keeps the pod up until the
+    # deadline, 10 s before Kubernetes' SIGKILL.
+    drain = {"lifecycle": {"preStop": {"exec": {"command": [
+        "python", "-m", "raytrain_app.cluster.drain", "--deadline-s", str(k.termination_grace_s - 10)]}}},
+        "env": [{"name": "MY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}
     spec = {
         "entrypoint": sub.entrypoint,
         "runtimeEnvYAML": _yaml({key: value for key, value in sub.runtime_env.items() if key in ("pip", "env_vars")}),
@@ -62,6 +68,7 @@ def rayjob(sub: Submission) -> dict[str, Any]:
         **({"activeDeadlineSeconds": k.active_deadline_s} if k.active_deadline_s else {}),
         "rayClusterSpec": {
             "rayVersion": k.ray_version or version("ray"),
+            **({"enableInTreeAutoscaling": True} if sub.max_nodes else {}),
             "headGroupSpec": {
                 # No CPUs for Ray's scheduler on the head: training workers go to the worker pods.
                 "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
@@ -74,16 +81,19 @@ def rayjob(sub: Submission) -> dict[str, Any]:
             },
             "workerGroupSpecs": [{
                 "groupName": "gpu-workers" if gpus else "cpu-workers",
-                "replicas": sub.nodes, "minReplicas": sub.nodes, "maxReplicas": sub.nodes,
+                # A range starts at its min, and KubeRay's autoscaler adds pods up to its max as
+                # Ray Train asks for them (elastic scaling); a fixed size is pinned.
+                "replicas": sub.nodes, "minReplicas": sub.nodes, "maxReplicas": sub.max_nodes or sub.nodes,
                 "rayStartParams": {},
                 "template": {"spec": {
                     **pod,
+                    "terminationGracePeriodSeconds": k.termination_grace_s,
                     **({"nodeSelector": dict(k.node_selector)} if k.node_selector else {}),
                     **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
                        if gpus else {}),
                     "containers": [{"name": "ray-worker", "image": k.image,
                                     "resources": {"limits": worker_resources, "requests": worker_resources},
-                                    **shm}]}},
+                                    **shm, **drain}]}},
             }],
         },
     }

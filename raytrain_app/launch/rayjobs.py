@@ -16,7 +16,7 @@ from raytrain_app.cluster.capacity import check_shape_fits, describe_nodes
 from raytrain_app.cluster.dashboard import Dashboard
 from raytrain_app.cluster.profiles import ClusterProfile
 from raytrain_app.config import dump_yaml
-from raytrain_app.console import count, jobs_table
+from raytrain_app.console import jobs_table
 from raytrain_app.errors import UserError, last_line
 from raytrain_app.launch.backend import Echo, Submitted
 from raytrain_app.launch.submission import Submission, write_files
@@ -52,7 +52,7 @@ class RayJobs:
                                                       runtime_env=sub.runtime_env, metadata=_metadata(sub))
         except (ValueError, RuntimeError) as e:  # Ray refuses the runtime_env, or the cluster refuses the job
             raise UserError(f"cannot submit to {self.dashboard.address}: {last_line(e)}") from None
-        what = "a sweep" if sub.sweep else count(sub.config.scaling.workers, "worker")
+        what = "a sweep" if sub.sweep else sub.config.scaling.describe_workers()
         return Submitted(job_id, [f"submitted {job_id} to {self.profile.jobs_address} ({what}); run directory "
                                   f"{sub.run_dir}", f"dashboard: {self.profile.jobs_address}/#/jobs/{job_id}"])
 
@@ -120,7 +120,7 @@ class RayJobs:
 def _metadata(sub: Submission) -> dict[str, str]:
     """What `list` shows of a job, attached to it at submission (Ray keeps it with the job)."""
     s = sub.config.scaling
-    shape = f"{sub.nodes}x{sub.workers_per_node} {'GPU' if s.gpus_per_worker else 'CPU'}"
+    shape = f"{sub.node_range}x{sub.workers_per_node} {'GPU' if s.gpus_per_worker else 'CPU'}"
     name = f"{sub.config.name} (sweep)" if sub.sweep else sub.config.name
     return {"raytrain.name": name, "raytrain.run_dir": sub.run_dir, "raytrain.workers": shape,
             "raytrain.config_sha256": hashlib.sha256(dump_yaml(sub.config).encode()).hexdigest()[:12],

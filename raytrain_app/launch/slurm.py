@@ -16,7 +16,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 import jinja2
@@ -43,14 +43,16 @@ def sbatch_script(sub: Submission) -> str:
     first node, runs the training entrypoint once every node has joined."""
     p, s = sub.profile.slurm, sub.config.scaling
     cpus, gpus = per_node(sub)
+    requeue = bool(p.signal_s) and not sub.sweep  # a training job checkpoints at the signal; a sweep's trials do not
     memory_gb = s.memory_per_worker_gb * sub.workers_per_node if s.memory_per_worker_gb else None
-    options = [f"--job-name={sub.submission_id}", f"--nodes={sub.nodes}", "--ntasks-per-node=1",
+    options = [f"--job-name={sub.submission_id}", f"--nodes={sub.node_range}", "--ntasks-per-node=1",
                f"--cpus-per-task={cpus}",
                *([f"--gpus-per-node={gpus}"] if gpus else []),
                *([f"--mem={memory_gb + 2:g}G"] if memory_gb else []),  # + the Ray node and the driver
                *([f"--partition={p.partition}"] if p.partition else []),
                *([f"--account={p.account}"] if p.account else []),
                *([f"--time={p.time_limit}"] if p.time_limit else []),
+               *([f"--signal=B:USR1@{p.signal_s}", "--requeue"] if requeue else []),
                f"--output={os.path.join(log_dir(sub.profile), 'raytrain-%j.out')}",
                "--open-mode=append",  # a requeued job's second attempt adds to its first's output
                f"--comment=raytrain:{sub.run_dir}",
@@ -66,13 +68,14 @@ def sbatch_script(sub: Submission) -> str:
     node_ip = (f'--node-ip-address="$(ip -o -4 addr show dev {p.socket_ifname} | '
                "awk '{sub(\"/.*\", \"\", $4); print $4; exit}')\"" if p.socket_ifname else "")
     return _TEMPLATES.get_template("job.sbatch.j2").render(
-        name=sub.config.name, what=f"a sweep, {sub.sweep}," if sub.sweep else count(s.workers, "worker"),
-        nodes=sub.nodes, nodes_said=count(sub.nodes, "node"), log_dir=log_dir(sub.profile), script_name=SCRIPT_NAME,
+        name=sub.config.name, what=f"a sweep, {sub.sweep}," if sub.sweep else s.describe_workers(),
+        nodes_said=f"{sub.node_range} nodes" if sub.max_nodes else count(sub.nodes, "node"),
+        log_dir=log_dir(sub.profile), script_name=SCRIPT_NAME,
         run_dir=sub.run_dir, options=[shlex.quote(option) for option in options], setup=p.setup,
         exports=exports, port_block=PORT_BLOCK, port_min=p.port_min,
         slots=(p.port_max - p.port_min + 1) // PORT_BLOCK, node_tmp=p.node_tmp.rstrip("/"),
         ray_log_dir=shlex.quote(log_dir(sub.profile)), gpus=gpus, node_ip=node_ip,
-        node_wait_s=f"{p.node_wait_s:.0f}", entrypoint=sub.entrypoint)
+        node_wait_s=f"{p.node_wait_s:.0f}", entrypoint=sub.entrypoint, requeue=requeue)
 
 
 def per_node(sub: Submission) -> tuple[int, int]:
@@ -139,14 +142,19 @@ class SlurmJob:
     elapsed_s: Optional[float]
     nodes: str
     run_dir: str
+    requeued: int = 0  # times SLURM started it again (preemption, `scontrol requeue`, its own at SIGUSR1)
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
 
+    @property
+    def status(self) -> str:
+        return self.state + (f", requeued {self.requeued}x" if self.requeued else "")
+
     def row(self) -> dict:
         """As `list` shows a job (the Ray Jobs table's columns)."""
-        return {"id": self.job_id, "name": self.name, "status": self.state, "start": self.start,
+        return {"id": self.job_id, "name": self.name, "status": self.status, "start": self.start,
                 "duration_s": self.elapsed_s, "workers": f"{self.nodes} nodes", "run_dir": self.run_dir}
 
 
@@ -190,8 +198,8 @@ class Slurm:
         storage.write_text(storage.join(sub.run_dir, SCRIPT_NAME), script)
         os.makedirs(log_dir(sub.profile), exist_ok=True)
         job_id = _output(["sbatch", "--parsable"], stdin=script).strip().split(";")[0]
-        what = "a sweep" if sub.sweep else count(sub.config.scaling.workers, "worker")
-        return Submitted(job_id, [f"submitted SLURM job {job_id} ({what} on {count(sub.nodes, 'node')}); run "
+        what = "a sweep" if sub.sweep else sub.config.scaling.describe_workers()
+        return Submitted(job_id, [f"submitted SLURM job {job_id} ({what} on {sub.node_range} node(s)); run "
                                   f"directory {sub.run_dir}", f"output: {self._log_file(job_id)}"])
 
     def follow(self, job_id: str, echo: Echo, poll_s: float = 1.0) -> str:
@@ -212,7 +220,7 @@ class Slurm:
 
     def status(self, job_id: str) -> str:
         found = job(job_id)
-        return found.state + (f" ({found.reason})" if found.reason else "")
+        return found.status + (f" ({found.reason})" if found.reason else "")
 
     def logs(self, job_id: str) -> str:
         current = job(job_id)
@@ -268,7 +276,15 @@ def _squeue(selection: list[str]) -> list[SlurmJob]:
         run_dir = comment[len("raytrain:"):] if comment.startswith("raytrain:") else "-"
         jobs_.append(SlurmJob(job_id, name, state, "" if reason == "None" else reason, _time(start),
                               _seconds(elapsed), nodes, run_dir))
-    return jobs_
+    requeued = _restart_counts(selection) if jobs_ else {}
+    return [replace(j, requeued=requeued.get(j.job_id, 0)) for j in jobs_]
+
+
+def _restart_counts(selection: list[str]) -> dict[str, int]:
+    """squeue's RestartCnt, which only its long --Format names (and which --format cannot join)."""
+    proc = _run(["squeue", "--noheader", "--states=all", "--Format=JobID:24,RestartCnt:12", *selection])
+    rows = (line.split() for line in proc.stdout.splitlines()) if not proc.returncode else ()
+    return {row[0]: int(row[1]) for row in rows if len(row) == 2 and row[1].isdigit()}
 
 
 def _sacct(selection: list[str]) -> list[SlurmJob]:

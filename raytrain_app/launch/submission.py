@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 from raytrain_app import storage, tracking
 from raytrain_app.cluster.profiles import ClusterProfile, mask
@@ -36,13 +36,19 @@ class Submission:
     config: JobConfig  # resolved, with the scaling the cluster shape implies
     submission_id: str
     run_dir: str
-    nodes: int
+    nodes: int  # at least; what must fit before the job is sent
     workers_per_node: int
     runtime_env: dict
     entrypoint: str
     warnings: list[str] = field(default_factory=list)  # said once, before anything is sent
     files: dict[str, str] = field(default_factory=dict)  # written into run_dir just before it is sent
     sweep: str = ""  # what a sweep job sweeps (its trials are `config` with sampled settings)
+    max_nodes: Optional[int] = None  # `--nodes MIN:MAX`: as many as the cluster gives, up to this
+
+    @property
+    def node_range(self) -> str:
+        """"2" or "2-4": the nodes asked for, as SLURM writes a range."""
+        return f"{self.nodes}-{self.max_nodes}" if self.max_nodes else str(self.nodes)
 
     def describe(self) -> list[tuple[str, str]]:
         s = self.config.scaling
@@ -50,12 +56,13 @@ class Submission:
         shown_env = {**self.runtime_env, "env_vars": mask(self.runtime_env.get("env_vars", {}))}
         if CONFIG_ENV in shown_env["env_vars"]:
             shown_env["env_vars"][CONFIG_ENV] = f"<resolved job config, {len(shown_env['env_vars'][CONFIG_ENV])} bytes>"
-        workers = f"{self.nodes} nodes x {self.workers_per_node} per node"
+        workers = f"{self.node_range} nodes x {self.workers_per_node} per node"
         return [
             ("cluster", f"{self.profile.name} ({self.profile.where})"),
             ("submission id", self.submission_id),
             *([("sweep", self.sweep), ("workers", f"{s.workers} per trial; {workers}")] if self.sweep else
-              [("workers", f"{s.workers} = {workers}")]),
+              [("workers", f"{s.min_workers} to {s.max_workers} = {workers}" if s.elastic else
+                f"{s.workers} = {workers}")]),
             ("per worker", per_worker),
             ("placement", s.placement),
             ("script", " ".join([self.config.script.path, *self.config.script.args])) if self.config.script else
@@ -66,20 +73,21 @@ class Submission:
         ]
 
 
-def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[int] = None,
+def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Union[int, str, None] = None,
                     gpus_per_node: Optional[int] = None, cpus_per_node: Optional[int] = None,
                     workers_per_node: Optional[int] = None, name: Optional[str] = None,
                     overrides: Sequence[str] = (), check_builders: bool = True) -> Submission:
     """Turn the cluster shape into workers (one per GPU, or per `scaling.gpus_per_worker` whole GPUs,
     or `workers_per_node` per CPU node), check on this machine what `train` would check on the
-    cluster, and say what the job will carry."""
+    cluster, and say what the job will carry. `nodes` "MIN:MAX" makes the workers a range
+    (`scaling.workers: {min, max}`), the cluster's nodes times the workers on each."""
     if config.scaling.local is True:
         raise UserError("scaling.local: true: a submitted job trains on the cluster's Ray; drop scaling.local "
                         "(submit --smoke runs it here first)")
-    nodes = profile.nodes if nodes is None else nodes
+    nodes, max_nodes = node_range(profile.nodes if nodes is None else nodes)
     gpus = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     cpus = profile.cpus_per_node if cpus_per_node is None else cpus_per_node
-    for flag, value, least in (("--nodes", nodes, 1), ("--gpus-per-node", gpus, 0), ("--cpus-per-node", cpus, 1)):
+    for flag, value, least in (("--gpus-per-node", gpus, 0), ("--cpus-per-node", cpus, 1)):
         if value < least:
             raise UserError(f"{flag} must be >= {least}, got {value}")
     worker_gpus = gpus_per_worker(config, gpus)
@@ -93,9 +101,9 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
     if per_node < 1 or (not gpus and cpus < per_node):
         raise UserError(f"--workers-per-node {per_node} needs at least that many CPUs per node "
                         f"(--cpus-per-node {cpus})")
-    shape = f"{nodes} nodes x {per_node} workers"
+    shape = f"{nodes}{f'-{max_nodes}' if max_nodes else ''} nodes x {per_node} workers"
     scaling = {
-        "workers": nodes * per_node,
+        "workers": {"min": nodes * per_node, "max": max_nodes * per_node} if max_nodes else nodes * per_node,
         "gpus_per_worker": float(worker_gpus),
         # CPU workers take a node's CPUs in equal parts, so exactly `per_node` fit on each node.
         "cpus_per_worker": config.scaling.cpus_per_worker if gpus else float(cpus // per_node),
@@ -124,10 +132,24 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Optional[
                        packages=False)
     runtime_env = job_runtime_env(profile, working_dir, {CONFIG_ENV: dump_yaml(config)})
     # A job its scheduler runs again (a retried RayJob, a requeued SLURM job) continues its run.
-    entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - {on_the_cluster(profile, nodes)} "
+    entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - {on_the_cluster(profile)} "
                   f"--run-dir {shlex.quote(run_dir)} --resume-if-any")
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
-                      warnings + unshipped_imports(config, working_dir, profile.source))
+                      warnings + unshipped_imports(config, working_dir, profile.source), max_nodes=max_nodes)
+
+
+def node_range(nodes: Union[int, str]) -> tuple[int, Optional[int]]:
+    """--nodes N or MIN:MAX: (N, None) or (MIN, MAX)."""
+    low, _, high = str(nodes).partition(":")
+    try:
+        low_n, high_n = int(low), int(high) if high else None
+    except ValueError:
+        raise UserError(f"--nodes must be a number or a range MIN:MAX, got {nodes!r}") from None
+    if low_n < 1:
+        raise UserError(f"--nodes must be >= 1, got {low_n}")
+    if high_n is not None and high_n <= low_n:
+        raise UserError(f"--nodes {nodes}: MIN must be below MAX")
+    return low_n, high_n
 
 
 def gpus_per_worker(config: JobConfig, node_gpus: int) -> int:
@@ -160,12 +182,12 @@ def new_job_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
-def on_the_cluster(profile: ClusterProfile, nodes: int) -> str:
+def on_the_cluster(profile: ClusterProfile) -> str:
     """An entrypoint's flags for the cluster it runs in: the job's own Ray, whose other nodes, in a
     SLURM allocation, are still joining while it starts."""
     flags = "--address auto"
-    if profile.kind == "slurm":
-        flags += f" --min-nodes {nodes} --node-timeout {profile.slurm.node_wait_s:g}"
+    if profile.kind == "slurm":  # every node of the allocation: a range's is known once it starts
+        flags += f" --min-nodes $SLURM_JOB_NUM_NODES --node-timeout {profile.slurm.node_wait_s:g}"
     return flags
 
 

@@ -25,12 +25,12 @@ def check_data_and_model(config: JobConfig):
     from raytrain_app.worker.memory import check_state_fits
     from raytrain_app.worker.strategy import shard_units
 
-    if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.workers > 1:
+    if config.train.sync_batchnorm and config.scaling.gpus_per_worker == 0 and config.scaling.max_workers > 1:
         raise UserError("train.sync_batchnorm needs GPU workers: PyTorch's SyncBatchNorm does not run on CPU")
     task = build_task(config.task)
     data = build_datasets(config.data)
     keep_on_device(data, config.data.on_device, torch.device("cpu"))  # `on` needs an in-memory dataset
-    workers = config.scaling.workers
+    workers = config.scaling.max_workers  # the smallest shards
     buffer = getattr(data.train, "buffer_rows", None)  # a stream's
     if buffer is not None and buffer < config.train.batch_size:
         raise UserError(f"data.args.buffer_rows ({buffer}) is smaller than train.batch_size "

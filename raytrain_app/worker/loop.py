@@ -14,15 +14,12 @@ The task (`tasks.py`) decides what a step optimises and what evaluation measures
 
 from __future__ import annotations
 
-import errno
 import os
 import random
-import shutil
 import socket
 import sys
-import tempfile
 import time
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -33,7 +30,7 @@ import torch
 from torch import nn
 
 from raytrain_app.config import JobConfig
-from raytrain_app.console import startup_phases
+from raytrain_app.config.batching import batching
 from raytrain_app.data import (
     FirstBatches,
     build_datasets,
@@ -47,7 +44,6 @@ from raytrain_app.data import (
 )
 from raytrain_app.data.preprocess import recipe
 from raytrain_app.distributed import global_max
-from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.models import build_model, places_itself
 from raytrain_app.rundir import snapshot
 from raytrain_app.tasks import build_task, model_outputs
@@ -55,13 +51,13 @@ from raytrain_app.tasks.base import Task
 from raytrain_app.tasks.supervised import Classification, class_weights
 from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint, preemption
+from raytrain_app.worker.after_step import AfterStep, report_to_ray
 from raytrain_app.worker.compile_cache import CompileCache
 from raytrain_app.worker.early_stopping import EarlyStopping
 from raytrain_app.worker.memory import check_state_fits_gpu, shard_group
 from raytrain_app.worker.metrics import EpochMetrics, Sums, Totals
 from raytrain_app.worker.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.worker.optim import build_optimizer, build_schedule, extend_schedule
-from raytrain_app.worker.preemption import PreemptionCheck
 from raytrain_app.worker.reporter import Reporter
 from raytrain_app.worker.state import TrainState
 from raytrain_app.worker.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
@@ -82,6 +78,7 @@ class WorkerArgs:
     local: bool = False  # Ray Train's local mode: no controller keeps checkpoints, the loop does (driver/local.py)
     node: Optional[str] = None  # the Ray node a local-mode worker runs on, inside a sweep's trial
     notices: bool = False  # ask Ray Train for preemption notices (its watcher runs on this cluster)
+    stop_flag: Any = None  # a preemption.StopFlag, which the driver sets on SIGUSR1
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
@@ -99,7 +96,7 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
     try:
         _run(Worker(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
-                    {**(args.marks or {}), "loop": entered}, args.local, args.notices))
+                    {**(args.marks or {}), "loop": entered}, args.local, args.notices, args.stop_flag))
     except BaseException:
         report.failed()
         raise
@@ -120,6 +117,7 @@ class Worker:
     marks: dict  # start-up times so far (wall clock), for the first step's breakdown
     local: bool = False  # see WorkerArgs.local
     notices: bool = False  # see WorkerArgs.notices
+    stop_flag: Any = None  # see WorkerArgs.stop_flag
 
     def latest_checkpoint(self) -> Optional[ray.train.Checkpoint]:
         """Where training continues from: what Ray Train hands a (re)started group, or in local
@@ -159,7 +157,9 @@ def _run(w: Worker) -> None:
     data = to_device(data, device) if resident else data
     workers = loader_workers(job.data.loader_workers, data, job.scaling.cpus_per_worker)
     pin = device.type == "cuda" and not resident
-    train_dl, sampler = train_loader(data, tc.batch_size, rank, world_size, job.seed, workers, pin, resident,
+    batches = batching(tc, job.scaling, world_size)  # as configured, or as a range's resize keeps it
+    report.group(world_size, batches.describe(world_size))
+    train_dl, sampler = train_loader(data, batches.batch_size, rank, world_size, job.seed, workers, pin, resident,
                                      job.data.engine)
     train_dl = FirstBatches(train_dl, tc.limit_batches)  # all of them, but in a smoke run
     eval_dl = FirstBatches(eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident),
@@ -168,21 +168,22 @@ def _run(w: Worker) -> None:
                 "from Ray Data" if job.data.engine == "ray_data" else "through a DataLoader",
                 workers, tc.compile, " with CUDA graphs" if parallel.cuda_graphs else "", parallel.describe())
 
-    optimizer = build_optimizer(parallel.model.parameters(), job.optimizer, world_size)
+    optimizer = build_optimizer(parallel.model.parameters(), job.optimizer, batches.lr_workers)
     precision = Precision(tc.precision, device)
-    steps_per_epoch = -(-len(train_dl) // tc.grad_accum_steps)
+    steps_per_epoch = -(-len(train_dl) // batches.accum_steps)
     state = TrainState(parallel.model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
                        precision.scaler, sharded=parallel.mesh is not None,
                        early_stopping=EarlyStopping(tc.early_stopping) if tc.early_stopping else None)
-    step = Step(parallel.train_model, precision, task, tc.grad_accum_steps, tc.grad_clip, device,
+    step = Step(parallel.train_model, precision, task, batches.accum_steps, tc.grad_clip, device,
                 parallel.memory_format, parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite),
-                samples_per_batch=tc.batch_size * world_size)
+                samples_per_batch=batches.batch_size * world_size)
     epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
     # What each checkpoint holds besides the state: the config, what the model was built for and
     # how raw inputs become its inputs (`raytrain_app.load_model` rebuilds it from these), and the
     # layout it was trained under, with a streamed dataset's row groups, which its position within
     # an epoch refers to.
-    layout = {"world_size": world_size, "strategy": job.strategy.name if parallel.mesh else "ddp",
+    layout = {"world_size": world_size, "accum_steps": batches.accum_steps,
+              "strategy": job.strategy.name if parallel.mesh else "ddp",
               "mesh": list(parallel.mesh or ()), "data": getattr(data.train, "fingerprint", None)}
     about = {"config": job.to_dict(), "input_shape": list(data.input_shape), "num_classes": outputs,
              "preprocess": preprocess, "layout": layout,
@@ -190,13 +191,16 @@ def _run(w: Worker) -> None:
     latest = w.latest_checkpoint()
     if latest:
         restored, saved_layout = checkpoint.restore_latest_good(latest, state, rank, device, run_dir, report.warn)
+        saved_layout = saved_layout or layout
         if state.samples is None:  # a checkpoint from before positions were counted over all ranks
-            state.samples = state.batch * tc.batch_size * (saved_layout or layout)["world_size"]
+            state.samples = state.batch * tc.batch_size * saved_layout["world_size"]
+        # The epoch's position in this group's micro-batches: its optimizer steps are the same.
+        state.batch = state.batch // saved_layout.get("accum_steps", tc.grad_accum_steps) * batches.accum_steps
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
         extended = extend_schedule(optimizer, state.scheduler, steps_per_epoch, tc.epochs, job.schedule.on_extend)
         if extended:
             report.say(extended)
-        for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0):
+        for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0, resized=job.scaling.elastic):
             report.warn(warning)
     trackers = Trackers(job, run_dir, rank, world_size, state)  # rank 0's TensorBoard, MLflow, W&B
     compile_cache = CompileCache(run_dir, rank, device, report) if tc.compile != "off" else None
@@ -208,7 +212,7 @@ def _run(w: Worker) -> None:
         for epoch in range(state.epoch, tc.epochs):
             sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
             sampler.start = state.samples  # non-zero only when resuming inside the epoch
-            first_step = state.step - state.batch // tc.grad_accum_steps  # this epoch's, also when resumed inside it
+            first_step = state.step - state.batch // batches.accum_steps  # this epoch's, also when resumed inside it
             state.clock.start()
             train_totals = train_epoch(step, train_dl, state, report.progress(epoch, state.batch + len(train_dl)),
                                        after_step)
@@ -225,8 +229,10 @@ def _run(w: Worker) -> None:
             stop = state.early_stopping.update(metrics) if state.early_stopping else None
             save = (state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
                     or after_step.save_at_epoch_end)
-            after_step.save_at_epoch_end = False
             report_to_ray(metrics, state, w, about if save else None)
+            if after_step.save_at_epoch_end:
+                report.info("notice answered: the checkpoint at step %d is written", state.step)
+                after_step.save_at_epoch_end = False
             report.epoch(metrics)
             trackers.epoch(metrics)
             if stop:
@@ -234,23 +240,27 @@ def _run(w: Worker) -> None:
             report.sync()
             if stop:
                 break
+            if after_step.stop_after_epoch:
+                raise preemption.Stopping(after_step.stop_after_epoch)
     except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
         report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
+    except preemption.Stopping as e:  # every rank at the same step, after its checkpoint
+        report.stopped(e.where)
     finally:
         trackers.close()
         if compile_cache:
             compile_cache.close()
 
 
-def resume_warnings(saved: Optional[dict], now: dict, mid_epoch: bool) -> list[str]:
+def resume_warnings(saved: Optional[dict], now: dict, mid_epoch: bool, resized: bool = False) -> list[str]:
     """What a resume cannot reproduce exactly: another world size, strategy or mesh than the
     checkpoint's (the rest of the epoch under way is still trained once, sample for sample, see
-    `data.TrainShard`), or, inside an epoch, a streamed dataset whose row groups changed since or
-    whose world size did."""
+    `data.TrainShard`), unless an elastic run `resized` (the driver says so), or, inside an epoch,
+    a streamed dataset whose row groups changed since or whose world size did."""
     if not saved:  # a checkpoint from before layouts were recorded
         return []
     warnings = []
-    if any(saved[k] != now[k] for k in ("world_size", "strategy", "mesh")):
+    if not resized and any(saved[k] != now[k] for k in ("world_size", "strategy", "mesh")):
         how = " through torch.distributed.checkpoint" if saved["mesh"] else ""
         warnings.append(f"resharded{how} from {describe_layout(saved)} to {describe_layout(now)}: the run goes on "
                         "from the saved state, but is not bitwise the run it would have been")
@@ -359,76 +369,6 @@ def evaluation_sums(model: nn.Module, loader, step: Step) -> dict[str, torch.Ten
             step.task.eval_sums(model, first)
     model.train()
     return sums.all_reduce()
-
-
-class AfterStep:
-    """What follows an optimizer step: rank 0 tells the driver and the trackers where start-up went
-    (at a fresh run's first step), the trackers get their step-level point, and every
-    `checkpoint.every_steps` steps, or at a preemption notice, a mid-epoch checkpoint records the
-    position within the epoch. After this process's first step, what it compiled goes into the
-    run's compile cache."""
-
-    def __init__(self, job: JobConfig, about: dict, worker: Worker, loss_check: LossCheck, trackers: Trackers,
-                 marks: dict, compile_cache: Optional[CompileCache]):
-        self.job, self.about, self.worker = job, about, worker
-        self.loss_check, self.report = loss_check, worker.report
-        self.trackers, self.marks, self.compile_cache = trackers, marks, compile_cache
-        self.preemption = PreemptionCheck(worker.notices, worker.device, worker.report.log.info)
-        self.save_at_epoch_end = False  # a notice came at the epoch's last step
-
-    def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
-        if state.step == 1:
-            marks = {**self.marks, "first_step": time.time()}
-            self.report.startup(marks)
-            self.trackers.startup(startup_phases(marks))
-        if self.compile_cache:
-            self.compile_cache.after_step()  # archiving is not the first step's time
-        self.trackers.step(state)
-        every = self.job.checkpoint.every_steps
-        notice = self.preemption.notice(state.step)
-        if notice:
-            self.report.warn(preemption.describe(notice, state.step, state.epoch, state.batch, last_in_epoch))
-            self.save_at_epoch_end = last_in_epoch  # the epoch's own checkpoint follows at once
-        if (notice or every and state.step % every == 0) and not last_in_epoch:
-            self.loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
-            # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
-            c = self.job.checkpoint
-            report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
-                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.worker, self.about)
-
-
-def report_to_ray(metrics: dict, state: TrainState, w: Worker, about: Optional[dict]) -> None:
-    """Report to Ray Train, with a checkpoint of `state` (and `about` it) when `about` is given:
-    every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint
-    (in local mode, `checkpoint.commit` does). A write that fails (a full disk) is said as such,
-    with the space left, not as Ray's copy error."""
-    if about is None:
-        ray.train.report(metrics)
-        return
-    with tempfile.TemporaryDirectory() as directory:
-        try:
-            checkpoint.save(directory, w.rank, state, about)
-        except OSError as e:
-            raise CheckpointNotWritten(state.step, f"this worker's staging folder {directory}",
-                                       _write_error(e, directory)) from None
-        try:
-            if w.local:
-                checkpoint.commit(directory, w.run_dir, w.rank, metrics, w.job.checkpoint, w.device)
-            else:
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-        except OSError as e:
-            raise CheckpointNotWritten(state.step, w.run_dir, _write_error(e, w.run_dir)) from None
-
-
-def _write_error(e: OSError, where: str) -> str:
-    """"no space left on device (12 MB free)", or the error's own words."""
-    if e.errno is None:
-        return last_line(e)
-    cause = os.strerror(e.errno).lower()
-    if e.errno == errno.ENOSPC and "://" not in where:
-        with suppress(OSError):
-            cause += f" ({shutil.disk_usage(where).free / 2**20:.0f} MB free)"
-    return cause
 
 
 class Precision:

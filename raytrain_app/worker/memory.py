@@ -61,7 +61,7 @@ def state_bytes(model: nn.Module, optimizer: OptimizerConfig, shards: int) -> St
 
 def shard_group(config: JobConfig) -> Optional[int]:
     """Workers each tensor is split over; None where only the cluster decides it (hsdp's default)."""
-    st, workers = config.strategy, config.scaling.workers
+    st, workers = config.strategy, config.scaling.min_workers  # a range's fewest: the largest shares
     if not st.sharded or workers == 1:
         return 1
     if st.name == "fsdp":
@@ -94,8 +94,9 @@ def _refuse_over(model: nn.Module, config: JobConfig, shards: int, limit: float,
         return
     strategy = config.strategy.name if shards > 1 else "ddp"
     hint = ""
-    if shards == 1 and config.scaling.workers > 1:
-        sharded = state_bytes(model, config.optimizer, config.scaling.workers)
-        hint = f"; strategy fsdp splits it over the {config.scaling.workers} workers: {sharded.describe()} each"
+    workers = config.scaling.min_workers
+    if shards == 1 and workers > 1:
+        sharded = state_bytes(model, config.optimizer, workers)
+        hint = f"; strategy fsdp splits it over the {workers} workers: {sharded.describe()} each"
     raise UserError(f"{prefix}the model's training state takes {need.describe()} per worker under {strategy}, "
                     f"more than {where}{hint}")

@@ -1,13 +1,18 @@
-"""Preemption notices: a node of the group is being drained with a deadline (a spot reclaim, or
-Ray's `drain-node`), and the work since the last checkpoint would be lost with it.
+"""Notices that the group is about to go, and the work since the last checkpoint with it.
 
-Ray Train tells every rank through `ray.train.get_preemption_info()`, a collective: every rank
-asks at the same steps. Asking at every step would cost more than a small model's step, so the
-first `MEASURED` steps each ask and time it, the ranks agree on the largest interval any of them
-needs for the asking to cost under `BUDGET` of the step time, and from then on they ask every that
-many steps. On a notice every rank takes a checkpoint at the step it is at (a just-in-time
-checkpoint, kept like any other), once per notice, and trains on until Ray Train restarts the
-group from it.
+Two kinds, answered alike, with a checkpoint at the step the loop is at (a just-in-time
+checkpoint, kept like any other):
+
+- Ray Train's preemption notice: a node of the group is being drained with a deadline (a spot
+  reclaim, or Ray's `drain-node`). The run trains on until Ray Train restarts the group from it.
+- A stop request: the driver got SIGUSR1, as SLURM sends it before a job's time limit or a
+  preemption (`--signal=B:USR1@GRACE`), and sets its `StopFlag`. The run stops after the
+  checkpoint, to be continued by `--resume` (SLURM's requeue).
+
+Asking is a collective (every rank must ask at the same steps), and asking at every step would
+cost more than a small model's step, so the first `MEASURED` steps each ask and time it, the ranks
+agree on the largest interval any of them needs for the asking to cost under `BUDGET` of the step
+time, and from then on they ask every that many steps.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
+import ray
+import ray.train
 import torch
 
 from raytrain_app.distributed import global_max
@@ -26,9 +34,39 @@ MEASURED = 8  # steps that ask at every step, timing it
 LONGEST = 1000  # steps between asks, at most
 
 
+@ray.remote(num_cpus=0)
+class StopFlag:
+    """Set by the driver on SIGUSR1; rank 0 reads it at the loop's checks."""
+
+    def __init__(self):
+        self.reason: Optional[str] = None
+
+    def set(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def get(self) -> Optional[str]:
+        return self.reason
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A stop request, as the loop sees it: the run checkpoints and stops."""
+
+    reason: str  # "SIGUSR1"
+
+
+class Stopping(Exception):
+    """Raised by the loop once a stop request's checkpoint is written: where the run stopped."""
+
+    def __init__(self, where: dict):
+        self.where = where
+        super().__init__(f"stopping at step {where['step']}")
+
+
 class PreemptionCheck:
-    def __init__(self, enabled: bool, device: torch.device, log: Callable[[str], None] = lambda line: None):
-        self.enabled, self.device, self.log = enabled, device, log
+    def __init__(self, notices: bool, stop_flag, rank: int, device: torch.device,
+                 log: Callable[[str], None] = lambda line: None):
+        self.notices, self.stop_flag, self.rank, self.device, self.log = notices, stop_flag, rank, device, log
         self.every: Optional[int] = None  # decided after MEASURED asks
         self._costs: list[float] = []
         self._steps: list[float] = []
@@ -36,22 +74,32 @@ class PreemptionCheck:
         self._answered: set[int] = set()  # the deadlines of notices already checkpointed
 
     def notice(self, step: int):
-        """Ray Train's PreemptionInfo at this step, the first time it is seen; None between asks,
-        when there is no notice, and for one already answered."""
-        if not self.enabled or (self.every and step % self.every):
+        """Ray Train's PreemptionInfo or a `Stop` at this step, the first time it is seen; None
+        between asks, when there is none, and for one already answered."""
+        if not (self.notices or self.stop_flag) or (self.every and step % self.every):
             return None
-        import ray.train
-
         start = time.perf_counter()
-        info = ray.train.get_preemption_info()
+        info = ray.train.get_preemption_info() if self.notices else None
+        stop = self._stop_requested()
         done = time.perf_counter()
         if self.every is None:
             self._measure(start, done)
+        if stop:
+            return stop
         key = (info.deadline_ms or 0) if info else None
         if info is None or key in self._answered:
             return None
         self._answered.add(key)
         return info
+
+    def _stop_requested(self) -> Optional[Stop]:
+        """Rank 0 reads the flag, and every rank learns its answer (one all-reduce)."""
+        if self.stop_flag is None:
+            return None
+        reason = ray.get(self.stop_flag.get.remote()) if self.rank == 0 else None
+        if not global_max(int(reason is not None), self.device):
+            return None
+        return Stop(reason or "a stop request")
 
     def _measure(self, start: float, done: float) -> None:
         self._costs.append(done - start)
@@ -67,12 +115,14 @@ class PreemptionCheck:
                  f"{step * 1e3:.2f} ms a step here)")
 
 
-def describe(info, step: int, epoch: int, batch: int, epoch_end: bool) -> str:
+def describe(notice, step: int, epoch: int, batch: int, epoch_end: bool) -> str:
     """The console's line for a notice answered with a checkpoint."""
-    nodes = ", ".join(node[:12] for node in info.preempted_node_ids)
-    left = f" in {max(0.0, info.deadline_ms / 1000 - time.time()):.0f}s" if info.deadline_ms else ""
     where = f"the end of epoch {epoch + 1}" if epoch_end else f"step {step} (epoch {epoch + 1}, batch {batch})"
-    ranks = info.preempted_ranks
+    if isinstance(notice, Stop):
+        return f"{notice.reason}: a checkpoint at {where}, then the run stops (--resume continues it)"
+    nodes = ", ".join(node[:12] for node in notice.preempted_node_ids)
+    left = f" in {max(0.0, notice.deadline_ms / 1000 - time.time()):.0f}s" if notice.deadline_ms else ""
+    ranks = notice.preempted_ranks
     return (f"preemption notice: node {nodes} ({'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))}) "
             f"goes away{left}; "
             f"a checkpoint at {where}, which the restart continues from")

@@ -66,6 +66,11 @@ class Reporter:
         if self.rank == 0:
             self._send_nowait(("output", line))
 
+    def group(self, world_size: int, step: str) -> None:
+        """The group's size and what a step is at it, once per (re)start: the driver says a resize."""
+        self.log.info("%d workers, %s", world_size, step)
+        self._send("group", {"world_size": world_size, "step": step})
+
     def startup(self, marks: dict) -> None:
         self._send("startup", marks)
 
@@ -80,6 +85,10 @@ class Reporter:
     def stopped_early(self, where: dict) -> None:
         self.log.info("stopping early after epoch %d: %s", where["epoch"], where["reason"])
         self._send("stopped_early", where)
+
+    def stopped(self, where: dict) -> None:
+        self.log.info("stopped on request (%s) at step %d", where["reason"], where["step"])
+        self._send("stopped", where)
 
     def failed(self) -> None:
         """Called from an exception handler: the traceback goes to the log, and the log to storage."""
