@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from raytrain_app.config import SMOKE, JobConfig, flag_overrides, load_config, with_overrides
+from raytrain_app.driver import signals
 from raytrain_app.errors import Interrupted, UserError
 
 
+@signals.kept
 def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequence[str]] = None,
         workers: Union[int, str, None] = None, gpus_per_worker: Optional[float] = None, run_dir: Optional[str] = None,
         address: Optional[str] = None, resume: Union[bool, str] = False, verbose: bool = False, progress: bool = False,

@@ -231,7 +231,7 @@ def test_sigusr1_checkpoints_mid_epoch_requeues_the_job_and_its_next_start_train
     seen, hold = tmp_path / "seen", tmp_path / "hold"
     seen.mkdir()
     hold.touch()  # the first start trains slowly, so that the signal finds it training
-    epochs, size = 3, 2000
+    epochs, size = 3, 1000
     job = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--name", "requeued", "--no-wait",
               "--set", f"train.epochs={epochs}", "--set", "checkpoint.every_epochs=100",
               "--set", f"data={{name: 'tests.helpers:index_data', args: {{train_size: {size}, eval_size: 5}}}}",

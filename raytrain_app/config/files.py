@@ -38,11 +38,10 @@ Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",
                                                                       "tag:yaml.org,2002:int")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:int",
-    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"),
-)
+Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                             list("-+0123456789"))
+Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: (
+    lambda text: int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10))(loader.construct_scalar(node)))
 Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                              list("tTfF"))
 Loader.add_implicit_resolver(

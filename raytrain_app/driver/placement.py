@@ -5,16 +5,20 @@ fixed-size run gets `START_TRIES` starts within `failure.placement_timeout_s`: a
 failed for a passing reason (a node that died while its worker started) gets a second try, and a
 group the cluster cannot place then ends the run, naming what is missing.
 
-A range (`scaling.workers: {min, max}`) starts at whatever size fits, so its starts are retried
-without a limit, each `ELASTIC_TRY_S` at most: Ray Train sizes a restart from what Ray Data's
-autoscaling coordinator reserved at its last refresh (every 20 s), which still counts a node lost a
-moment ago; the next try sees the cluster as it is. Below `min`, Ray Train waits for room without
-a limit or a word: `RangeWatch` says so, and ends the run after `failure.placement_timeout_s`.
+A range (`scaling.workers: {min, max}`) starts at whatever size fits, in tries of `ELASTIC_TRY_S`
+at most: Ray Train sizes a restart from what Ray Data's autoscaling coordinator reserved at its
+last refresh (every 20 s), which still counts a node lost a moment ago, and the next try sees the
+cluster as it is. Ray Train counts failed starts over the whole run, so a range gets as many as
+fit in `failure.placement_timeout_s` (12 by default): a start that cannot succeed (a bad
+runtime_env) ends the run, and a resize costs at most one of them. Below `min`, Ray Train waits for room without
+a limit or a word: `RoomWatch` ends such a run after `failure.placement_timeout_s`, and says,
+for any run, when the cluster holds too few workers and when it has room again.
 """
 
 from __future__ import annotations
 
 import _thread
+import math
 import signal
 import threading
 import time
@@ -31,8 +35,10 @@ WATCH_INTERVAL_S = 1.0
 
 
 def start_tries(config: JobConfig) -> int:
-    """Ray Train's `controller_failure_limit` + 1: -1 for a range's unlimited tries."""
-    return -1 if config.scaling.elastic else START_TRIES
+    """Ray Train's `controller_failure_limit` + 1."""
+    if config.scaling.elastic:
+        return max(START_TRIES, math.ceil(config.failure.placement_timeout_s / ELASTIC_TRY_S))
+    return START_TRIES
 
 
 def start_timeout_s(config: JobConfig) -> float:
@@ -63,19 +69,21 @@ def unplaced(config: JobConfig, run_dir: Optional[str]) -> str:
             f"(failure.placement_timeout_s): it holds {fit} now ({nodes}); {then}")
 
 
-class RangeWatch(threading.Thread):
-    """While a range's run is on: once the cluster holds fewer than `min` workers (not counting
-    nodes being drained), one line; back above, one line; below for `failure.placement_timeout_s`,
-    the run ends (the main thread is interrupted, and `gave_up` says why)."""
+class RoomWatch(threading.Thread):
+    """While a run on Ray is on: once the cluster holds fewer workers than it needs (a range's
+    `min`; nodes being drained not counted), one line; back, one line. A range below `min` for
+    `failure.placement_timeout_s` ends (the main thread is interrupted, and `gave_up` says why);
+    a fixed size ends by its start tries."""
 
     def __init__(self, config: JobConfig, run_dir: str, echo: Callable[[str], None]):
-        super().__init__(daemon=True, name="raytrain-range-watch")
+        super().__init__(daemon=True, name="raytrain-room-watch")
         self.config, self.run_dir, self.echo = config, run_dir, echo
         self.gave_up: Optional[str] = None
         self._stopped = threading.Event()
 
     def run(self) -> None:
-        low, timeout = self.config.scaling.min_workers, self.config.failure.placement_timeout_s
+        s, timeout = self.config.scaling, self.config.failure.placement_timeout_s
+        low, needs = s.min_workers, "the range needs at least" if s.elastic else "the run needs"
         below_since = None
         while not self._stopped.wait(WATCH_INTERVAL_S):
             try:
@@ -88,9 +96,9 @@ class RangeWatch(threading.Thread):
                 below_since = None
             elif below_since is None:
                 below_since = time.monotonic()
-                self.echo(f"waiting for room: the cluster holds {fit} of the {low} workers the range needs at least "
-                          f"({nodes}); giving up in {timeout:g}s (failure.placement_timeout_s)")
-            elif time.monotonic() - below_since >= timeout:
+                self.echo(f"waiting for room: the cluster holds {fit} of the {low} workers {needs} ({nodes}); "
+                          f"giving up in {timeout:g}s (failure.placement_timeout_s)")
+            elif s.elastic and time.monotonic() - below_since >= timeout:
                 self.gave_up = unplaced(self.config, self.run_dir)
                 _thread.interrupt_main(signal.SIGINT)  # Ray Train's own handler stops the run
                 return

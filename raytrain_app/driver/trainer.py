@@ -10,10 +10,9 @@ import functools
 import json
 import os
 import queue
-import signal
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from typing import Optional, Sequence
 
 import ray
@@ -33,6 +32,7 @@ from raytrain_app.data.raydata import read_train
 from raytrain_app.driver import local, placement
 from raytrain_app.driver.plan import RunPlan
 from raytrain_app.driver.result import Result
+from raytrain_app.driver.signals import stop_on_usr1
 from raytrain_app.errors import (
     CheckpointNotWritten,
     Stopped,
@@ -144,11 +144,26 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
 
 def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "EventListener",
                 history: rundir.MetricsLog, callbacks: Sequence[UserCallback]) -> Optional[str]:
-    """Ray Train runs the loop on the cluster's workers; returns the final checkpoint's URI."""
+    """Ray Train runs the loop on the cluster's workers; returns the final checkpoint's URI. The
+    listener and the actors the workers report to end with it, however it ends."""
+    try:
+        result = _fit(_trainer(args, config, run_dir, history, callbacks), config, run_dir,
+                      placement.RoomWatch(config, run_dir, listener.echo))
+    finally:
+        listener.stop()
+        ray.kill(args.events.actor)
+        for actor in (args.restarts, args.stop_flag):
+            if actor is not None:
+                ray.kill(actor)
+    return storage.checkpoint_uri(run_dir, result.checkpoint) if result.checkpoint else None
+
+
+def _trainer(args: WorkerArgs, config: JobConfig, run_dir: str, history: rundir.MetricsLog,
+             callbacks: Sequence[UserCallback]) -> TorchTrainer:
     callbacks = [RestartNotices(args.events, run_dir, config.failure.max_failures, args.restarts), *callbacks]
     if config.script:
         callbacks.append(ScriptReports(args.events, run_dir, reported=len(history.rows())))  # --resume continues
-    trainer = torch_trainer(
+    return torch_trainer(
         functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args), config.scaling,
         datasets={"train": read_train(config.data)} if config.data.engine == "ray_data" else None,
         run_config=ray.train.RunConfig(
@@ -163,9 +178,6 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
             ),
         ),
     )
-    watch = placement.RangeWatch(config, run_dir, listener.echo) if config.scaling.elastic else None
-    result = _fit(trainer, listener, args, config, run_dir, watch)
-    return storage.checkpoint_uri(run_dir, result.checkpoint) if result.checkpoint else None
 
 
 def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str, listener: "EventListener",
@@ -186,14 +198,12 @@ def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str
     return snapshot.latest(run_dir)
 
 
-def _fit(trainer: TorchTrainer, listener: "EventListener", args: WorkerArgs, config: JobConfig, run_dir: str,
-         watch: Optional[placement.RangeWatch]):
-    if watch:
-        watch.start()
+def _fit(trainer: TorchTrainer, config: JobConfig, run_dir: str, watch: placement.RoomWatch):
+    watch.start()
     try:
         return trainer.fit()
     except BaseException as e:
-        if watch and watch.gave_up:
+        if watch.gave_up:
             raise TrainingFailed(watch.gave_up) from None
         # A lost embedded node reaches here looking like an interrupt or a failed controller: if
         # that is what happened, the node watch says so and ends the process (see NodeWatch).
@@ -206,24 +216,18 @@ def _fit(trainer: TorchTrainer, listener: "EventListener", args: WorkerArgs, con
             raise KeyboardInterrupt from None
         raise
     finally:
-        if watch:
-            watch.stop()
-        listener.stop()
-        ray.kill(args.events.actor)
-        for actor in (args.restarts, args.stop_flag):
-            if actor is not None:
-                ray.kill(actor)
+        watch.stop()
 
 
 def failure_config(config: JobConfig) -> ray.train.FailureConfig:
     """Ray Train's retry budgets: worker failures, preemptions apart from them, and starts (see
     `placement.py`; each try's timeout is set in `_ray_train_settings`)."""
-    failure, tries = config.failure, placement.start_tries(config)
+    failure = config.failure
     return ray.train.FailureConfig(max_failures=failure.max_failures,
                                    max_preemption_failures=failure.max_preemption_failures,
                                    preemption_grace_s=failure.preemption_grace_s,
                                    relax_collectives_on_preemption=failure.preemption_grace_s > 0,
-                                   controller_failure_limit=tries - 1 if tries > 0 else -1)
+                                   controller_failure_limit=placement.start_tries(config) - 1)
 
 
 def _picture(run_dir: str, echo) -> Optional[str]:
@@ -403,25 +407,6 @@ def _unwritten(e: CheckpointNotWritten, run_dir: str) -> str:
     then = (f"the last good checkpoint is step {good[-1].step}: free space and --resume" if good else
             "no checkpoint was written before it: free space and start again")
     return f"{e}; {then}"
-
-
-@contextmanager
-def stop_on_usr1(stop_flag, echo):
-    """SIGUSR1 (SLURM's warning before a time limit or a preemption, `--signal=B:USR1@GRACE`) asks
-    the workers to checkpoint at their next check and stop; only the main thread can take it."""
-    if stop_flag is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def asked(signum, frame):
-        stop_flag.set.remote("SIGUSR1")
-        echo("SIGUSR1: the run checkpoints at its next check and stops")
-
-    before = signal.signal(signal.SIGUSR1, asked)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, before)
 
 
 def _stopped_message(where: dict, run_dir: str) -> str:

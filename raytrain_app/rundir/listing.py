@@ -99,7 +99,8 @@ def _status(record: dict, epochs_done: int, epochs: Optional[int], snapshot: boo
         return "finished"  # an older run, from before run.json: it got as far as it meant to
     if snapshot and (epochs is None or epochs_done < epochs):
         return "resumable"
-    return recorded if recorded in ("failed", "interrupted", "stopped early") else "failed"  # "running": it died
+    ended = ("failed", "interrupted", "stopped", "stopped early")
+    return recorded if recorded in ended else "failed"  # "running": it died
 
 
 def _best(path: str, rows: list[dict]) -> str:

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from contextlib import suppress
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import ray.train
 
@@ -25,10 +25,8 @@ from raytrain_app.worker import checkpoint, preemption
 from raytrain_app.worker.compile_cache import CompileCache
 from raytrain_app.worker.nonfinite import LossCheck
 from raytrain_app.worker.preemption import PreemptionCheck
+from raytrain_app.worker.rank import Worker
 from raytrain_app.worker.state import TrainState
-
-if TYPE_CHECKING:
-    from raytrain_app.worker.loop import Worker
 
 
 class AfterStep:

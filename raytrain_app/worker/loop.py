@@ -45,7 +45,6 @@ from raytrain_app.data import (
 from raytrain_app.data.preprocess import recipe
 from raytrain_app.distributed import global_max
 from raytrain_app.models import build_model, places_itself
-from raytrain_app.rundir import snapshot
 from raytrain_app.tasks import build_task, model_outputs
 from raytrain_app.tasks.base import Task
 from raytrain_app.tasks.supervised import Classification, class_weights
@@ -58,6 +57,7 @@ from raytrain_app.worker.memory import check_state_fits_gpu, shard_group
 from raytrain_app.worker.metrics import EpochMetrics, Sums, Totals
 from raytrain_app.worker.nonfinite import LossCheck, NonFiniteLoss
 from raytrain_app.worker.optim import build_optimizer, build_schedule, extend_schedule
+from raytrain_app.worker.rank import Worker
 from raytrain_app.worker.reporter import Reporter
 from raytrain_app.worker.state import TrainState
 from raytrain_app.worker.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
@@ -101,31 +101,6 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
         report.failed()
         raise
     report.sync()
-
-
-@dataclass(frozen=True)
-class Worker:
-    """This worker's part in the run: what the loop needs besides the job's own settings."""
-
-    job: JobConfig
-    run_dir: str
-    rank: int
-    world_size: int
-    node: str  # Ray's node id (local mode: the host's name), for the mesh's host grouping
-    device: torch.device
-    report: Reporter  # this rank's log, and the events the driver's console shows
-    marks: dict  # start-up times so far (wall clock), for the first step's breakdown
-    local: bool = False  # see WorkerArgs.local
-    notices: bool = False  # see WorkerArgs.notices
-    stop_flag: Any = None  # see WorkerArgs.stop_flag
-
-    def latest_checkpoint(self) -> Optional[ray.train.Checkpoint]:
-        """Where training continues from: what Ray Train hands a (re)started group, or in local
-        mode the newest checkpoint of the run's own index (a restarted launch starts afresh)."""
-        if not self.local:
-            return ray.train.get_checkpoint()
-        latest = snapshot.latest(self.run_dir)
-        return ray.train.Checkpoint(latest) if latest else None
 
 
 def _run(w: Worker) -> None:
@@ -240,7 +215,7 @@ def _run(w: Worker) -> None:
             report.sync()
             if stop:
                 break
-            if after_step.stop_after_epoch:
+            if after_step.stop_after_epoch and state.epoch < tc.epochs:  # (after the last, the run is done)
                 raise preemption.Stopping(after_step.stop_after_epoch)
     except NonFiniteLoss as e:  # every rank stops here at the same step: a clean stop, not a crash
         report.nonfinite({"epoch": state.epoch + 1, "step": e.step, "lr": e.lr})
