@@ -71,10 +71,6 @@ def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, erro
     said.append(out)
     err = errors.read_text()
     assert proc.returncode == 1, "".join(said) + err
-    # While it waited, it said so, once.
-    assert re.findall(r"^waiting for room: .*$", "".join(said), re.M) == [
-        "waiting for room: the cluster holds 1 of the 2 workers the run needs (1 nodes: 0 GPUs/1 CPUs); giving up "
-        "in 16s (failure.placement_timeout_s)"], "".join(said)
     assert time.monotonic() - stopped < 16 + 20  # the placement timeout, and the restart's own start
     assert re.fullmatch(r"training failed: the cluster could not place 2 workers within 16s "
                         r"\(failure\.placement_timeout_s\): it holds 1 now \(1 nodes: 0 GPUs/1 CPUs\); "
