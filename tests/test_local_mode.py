@@ -3,6 +3,7 @@ against the same job on the real Ray cluster: bitwise the same weights, a killed
 restarted and resumed bitwise, runs that one mode starts and the other resumes, Ctrl-C and a
 scheduler's SIGTERM, and what local mode refuses."""
 
+import collections
 import json
 import os
 import re
@@ -126,6 +127,47 @@ def test_ctrl_c_and_sigterm_stop_every_worker_process_and_leave_whole_checkpoint
         assert not list(run_dir.rglob("*.tmp"))
         kept = sorted(d for d in run_dir.glob("checkpoint_*") if d.is_dir())
         assert kept and all(checkpoint.verify(str(d), r) is None for d in kept for r in (0, 1))
+
+
+def test_sigusr1_checkpoints_mid_epoch_and_stops_and_resume_trains_every_sample_once(tmp_path):
+    """SIGUSR1, as SLURM sends it before a time limit (`--signal=B:USR1@N`) to a job that trains
+    on its one node in local mode: both worker processes checkpoint at the same step inside the
+    epoch and stop (exit 75, status stopped); `--resume` continues from that step, and each
+    recorded sample is trained once per epoch over both runs."""
+    seen, hold, run_dir = tmp_path / "seen", tmp_path / "hold", tmp_path / "run"
+    seen.mkdir()
+    hold.touch()  # the first run trains slowly, so that the signal finds it inside an epoch
+    epochs, size = 2, 400
+    command = [sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--local",
+               "--run-dir", str(run_dir), "--set", f"train.epochs={epochs}", "--set", "checkpoint.every_epochs=100",
+               "--set", f"data={{name: 'tests.helpers:index_data', args: {{train_size: {size}, eval_size: 5}}}}",
+               "--set", f"model={{name: 'tests.helpers:recorder', args: {{out_dir: '{seen}', per_process: true, "
+                        f"hold: '{hold}'}}}}",
+               "--set", "train.batch_size=4", "--set", "tracking.report_png=false"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len((seen / "dropout-0.txt").read_text().splitlines() if (seen / "dropout-0.txt").exists() else []) < 10:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out + err
+    stopped = re.search(r"stopped on SIGUSR1 at step (\d+) \(epoch (\d+), batch (\d+)\)", err)
+    assert stopped, out + err
+    step, epoch, batch = map(int, stopped.groups())
+    assert (epoch, 0 < batch < size // 8) == (1, True)  # inside the first epoch (50 steps of 2 x 4)
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "stopped"
+    hold.unlink()
+    resumed = subprocess.run([*command, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"epoch 1 from batch {batch}" in resumed.stdout + resumed.stderr, resumed.stdout + resumed.stderr
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    # The first run trained exactly up to its checkpoint, each rank one batch a step.
+    starts = sorted(seen.glob("rank-0-*.txt"), key=lambda p: p.stat().st_mtime)
+    assert len(starts) == 2 and len(starts[0].read_text().splitlines()) == step
+    counts = collections.Counter(int(i) for path in seen.glob("rank-*-*.txt")
+                                 for line in path.read_text().splitlines() for i in line.split())
+    assert set(counts) == set(range(size)) and set(counts.values()) == {epochs}
 
 
 def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_path, monkeypatch):

@@ -174,9 +174,27 @@ def test_status_logs_and_stop_on_a_long_job(two_nodes, tmp_path):
     assert "2 nodes, 0/2 CPUs free" in cluster and re.search(rf"^{job_id} +digits +RUNNING", cluster, re.M)
     assert running_local_cluster(1, 1, 0) is None  # `train` does not join a cluster that runs a job
 
+    # One writer per run: `submit --resume` of a run that a job still trains is refused here, in one line.
+    run_dir = f"{profile.storage}/{job_id}"
+    refused = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--resume", run_dir, "--skip-checks")
+    assert refused.returncode == 2 and re.fullmatch(
+        rf"error: --resume: run dir {re.escape(run_dir)} is in use by pid \d+ on host \S+ \(train\) since \d\d:\d\d, "
+        rf"job {job_id}; stop it first\n", refused.stderr), refused.stderr
+
     stopped = cli("stop", job_id, "--cluster", profile_file)
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"{job_id}: STOPPED"
     assert "STOPPED" in cli("status", job_id, "--cluster", profile_file).stdout
+
+    # Stopped, the run is continued by a new job from its latest checkpoint, two epochs further.
+    done = [json.loads(line)["epoch"] for line in open(f"{run_dir}/metrics.jsonl")]
+    resumed = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--resume", run_dir, "--skip-checks",
+                  "--set", f"train.epochs={done[-1] + 2}")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"run directory {run_dir}" in resumed.stdout and re.search(r"resumed from \S+ at step", resumed.stdout)
+    epochs = [json.loads(line)["epoch"] for line in open(f"{run_dir}/metrics.jsonl")]
+    assert epochs == list(range(1, done[-1] + 3)), epochs
+    assert [json.loads(line)["kind"] for line in open(f"{run_dir}/restarts.jsonl")] == ["resume"]
+    assert json.loads(open(f"{run_dir}/run.json").read())["status"] == "finished"
 
 
 def test_train_reuses_the_running_local_cluster_where_hsdp_replicates_across_its_nodes(two_nodes, ray_cluster,

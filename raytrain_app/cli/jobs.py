@@ -42,13 +42,15 @@ def _job_on_cluster(command):
         MAX_FAILURES,
         click.option("--skip-checks", is_flag=True, help="Do not build the model and data here first (for data "
                                                          "or packages that exist only on the cluster)."),
+        click.option("--resume", metavar="RUN_DIR", help="Continue this run (a directory the cluster reaches: the "
+                                                         "profile's storage, or a bucket) from its latest checkpoint."),
     ]):
         command = option(command)
     return command
 
 
 def placed(profile, config_file, script_args, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
-          overrides, max_failures, skip_checks):
+          overrides, max_failures, skip_checks, resume):
     """The job placed on the profile's cluster (`submission.plan_submission`), its warnings said."""
     from raytrain_app.api import job_config
     from raytrain_app.config import flag_overrides
@@ -57,7 +59,7 @@ def placed(profile, config_file, script_args, nodes, gpus_per_node, cpus_per_nod
     overrides = [*overrides, *flag_overrides(max_failures=max_failures)]
     _, config = job_config(config_file, overrides, script_args)
     sub = plan_submission(profile, config, nodes, gpus_per_node, cpus_per_node, workers_per_node, name,
-                               overrides, check_builders=not skip_checks)
+                          overrides, check_builders=not skip_checks, resume=resume)
     for warning in sub.warnings:
         warn(warning)
     return sub

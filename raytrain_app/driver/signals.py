@@ -41,7 +41,7 @@ def stop_on_usr1(stop_flag, echo):
         return
 
     def asked(signum=None, frame=None):
-        stop_flag.set.remote("SIGUSR1")
+        stop_flag.set("SIGUSR1")
         echo("SIGUSR1: the run checkpoints at its next check and stops")
 
     before = signal.signal(signal.SIGUSR1, asked)

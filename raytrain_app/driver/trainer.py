@@ -47,7 +47,7 @@ from raytrain_app.errors import (
 from raytrain_app.rayinternals import placement_timed_out
 from raytrain_app.rundir import snapshot
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
-from raytrain_app.worker.preemption import StopFlag
+from raytrain_app.worker.preemption import StopFile, StopFlag
 from raytrain_app.worker.script import RestartCount, run_script_per_worker
 
 
@@ -81,7 +81,7 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     if plan.local:
         in_process = local.in_this_process(config, plan.trial)
         events, sent_to = local.fresh_events(in_process)
-        restarts = stop_flag = None
+        restarts, stop_flag = None, StopFile()
     else:
         _ray_train_settings(config)
         # Beside this driver, on no resources: not on a node that a preemption or a resize takes
@@ -90,7 +90,7 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
             ray.get_runtime_context().get_node_id(), soft=False)}
         events = sent_to = Queue(actor_options=here)
         restarts = RestartCount.options(**here).remote() if config.script else None
-        stop_flag = None if config.script else StopFlag.options(**here).remote()
+        stop_flag = None if config.script else StopFlag(**here)
     marks = {**(marks or {}), "fit": time.time()}
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=sent_to, progress=progress,
                       log_dir=storage.join(plan.run_dir, "logs"),
@@ -107,10 +107,10 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
                              callbacks if plan.local else ())
     listener.start()
     try:
-        if plan.local:
-            final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
-        else:
-            with stop_on_usr1(stop_flag, echo):
+        with stop_on_usr1(stop_flag, echo):
+            if plan.local:
+                final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
+            else:
                 final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
             raise TrainingFailed(_nonfinite_message(listener.nonfinite, final))
@@ -152,9 +152,10 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
     finally:
         listener.stop()
         ray.kill(args.events.actor)
-        for actor in (args.restarts, args.stop_flag):
-            if actor is not None:
-                ray.kill(actor)
+        if args.restarts is not None:
+            ray.kill(args.restarts)
+        if args.stop_flag is not None:
+            args.stop_flag.close()
     return storage.checkpoint_uri(run_dir, result.checkpoint) if result.checkpoint else None
 
 
@@ -195,6 +196,7 @@ def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str
         listener.stop()
         if isinstance(listener.events, local.Inbox):
             listener.events.close()
+        args.stop_flag.close()
     return snapshot.latest(run_dir)
 
 

@@ -24,6 +24,7 @@ from raytrain_app.config.resolve import resolve_auto
 from raytrain_app.errors import UserError
 from raytrain_app.launch.shipping import check_upload_size, unshipped_imports
 from raytrain_app.preflight.checks import check_data_and_model, check_script
+from raytrain_app.rundir import lease, snapshot
 
 CONFIG_ENV = "RAYTRAIN_JOB_CONFIG"
 
@@ -76,11 +77,13 @@ class Submission:
 def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Union[int, str, None] = None,
                     gpus_per_node: Optional[int] = None, cpus_per_node: Optional[int] = None,
                     workers_per_node: Optional[int] = None, name: Optional[str] = None,
-                    overrides: Sequence[str] = (), check_builders: bool = True) -> Submission:
+                    overrides: Sequence[str] = (), check_builders: bool = True,
+                    resume: Optional[str] = None) -> Submission:
     """Turn the cluster shape into workers (one per GPU, or per `scaling.gpus_per_worker` whole GPUs,
     or `workers_per_node` per CPU node), check on this machine what `train` would check on the
     cluster, and say what the job will carry. `nodes` "MIN:MAX" makes the workers a range
-    (`scaling.workers: {min, max}`), the cluster's nodes times the workers on each."""
+    (`scaling.workers: {min, max}`), the cluster's nodes times the workers on each. `resume`
+    names a run directory the job continues from its latest checkpoint (`submit --resume`)."""
     if config.scaling.local is True:
         raise UserError("scaling.local: true: a submitted job trains on the cluster's Ray; drop scaling.local "
                         "(submit --smoke runs it here first)")
@@ -126,16 +129,36 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Union[int
         with running_in(working_dir):  # where the job runs: imports and relative paths as there
             check_data_and_model(config)
     submission_id = new_job_id(config.name)
-    run_dir = storage.join(storage.normalize(profile.storage), submission_id)
+    run_dir = resumable(resume) if resume else storage.join(storage.normalize(profile.storage), submission_id)
     if check_builders and not config.script:  # an MLflow server may answer only inside the cluster's network
         tracking.check(config.tracking, run_dir, profile.connect_timeout_s, {**os.environ, **profile.job_env_vars()},
                        packages=False)
     runtime_env = job_runtime_env(profile, working_dir, {CONFIG_ENV: dump_yaml(config)})
     # A job its scheduler runs again (a retried RayJob, a requeued SLURM job) continues its run.
     entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - {on_the_cluster(profile)} "
-                  f"--run-dir {shlex.quote(run_dir)} --resume-if-any")
+                  f"--run-dir {shlex.quote(run_dir)} {'--resume' if resume else '--resume-if-any'}")
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source), max_nodes=max_nodes)
+
+
+def resumable(run_dir: str) -> str:
+    """`submit --resume RUN_DIR`: a run with a checkpoint that no command holds now (the cluster's
+    nodes must reach it: the profile's storage, or a bucket), checked here rather than by a job
+    that would fail on the cluster."""
+    run_dir = storage.normalize(run_dir)
+    if storage.is_local(run_dir):
+        run_dir = os.path.abspath(run_dir)
+    try:
+        latest = snapshot.latest(run_dir)
+        holder = lease.live_holder(run_dir)
+    except Exception as e:  # noqa: BLE001 - an unreachable store or bucket, said in one line
+        raise UserError(f"--resume {run_dir}: {storage.explain(e)}") from None
+    if latest is None:
+        raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
+    if holder is not None:
+        raise UserError(f"--resume: run dir {run_dir} is in use by {holder.describe()}"
+                        + (f", job {holder.job.split(':', 1)[1]}" if holder.job else "") + "; stop it first")
+    return run_dir
 
 
 def node_range(nodes: Union[int, str]) -> tuple[int, Optional[int]]:

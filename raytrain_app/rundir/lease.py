@@ -149,6 +149,12 @@ class Lease:
                 continue
 
 
+def live_holder(run_dir: str) -> Optional[Holder]:
+    """Who holds the run directory's lease now, by its heartbeat (from any host), or None."""
+    held, _ = _read(storage.join(run_dir, LEASE))
+    return held if held is not None and time.time() - held.heartbeat <= STALE_S else None
+
+
 def _stale(held: Holder, taker: Holder) -> Optional[str]:
     """Why `held` may be taken over, or None while it stands."""
     age = time.time() - held.heartbeat

@@ -6,7 +6,7 @@ checkpoint, kept like any other):
 - Ray Train's preemption notice: a node of the group is being drained with a deadline (a spot
   reclaim, or Ray's `drain-node`). The run trains on until Ray Train restarts the group from it.
 - A stop request: the driver got SIGUSR1, as SLURM sends it before a job's time limit or a
-  preemption (`--signal=B:USR1@GRACE`), and sets its `StopFlag`. The run stops after the
+  preemption (`--signal=B:USR1@GRACE`), and sets its `StopFlag` (in local mode, a `StopFile`). The run stops after the
   checkpoint, to be continued by `--resume` (SLURM's requeue).
 
 Asking is a collective (every rank must ask at the same steps), and asking at every step would
@@ -18,7 +18,10 @@ time, and from then on they ask every that many steps.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -35,9 +38,7 @@ LONGEST = 1000  # steps between asks, at most
 
 
 @ray.remote(num_cpus=0)
-class StopFlag:
-    """Set by the driver on SIGUSR1; rank 0 reads it at the loop's checks."""
-
+class _Flag:
     def __init__(self):
         self.reason: Optional[str] = None
 
@@ -46,6 +47,47 @@ class StopFlag:
 
     def get(self) -> Optional[str]:
         return self.reason
+
+
+class StopFlag:
+    """Set by the driver on SIGUSR1; rank 0 reads it at the loop's checks. On Ray, an actor that
+    `options` place (beside the driver, where no preemption takes it)."""
+
+    def __init__(self, **options):
+        self.actor = _Flag.options(**options).remote()
+
+    def set(self, reason: str) -> None:
+        self.actor.set.remote(reason)  # no wait: the driver may be in a signal handler
+
+    def get(self) -> Optional[str]:
+        return ray.get(self.actor.get.remote())
+
+    def close(self) -> None:
+        ray.kill(self.actor)
+
+
+class StopFile:
+    """Local mode's StopFlag, with no Ray to hold one: a file in a private folder of the driver's,
+    which rank 0 (a process of this machine) looks for; a stat costs microseconds."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="raytrain-stop-")
+        self.path = os.path.join(self.folder, "stop")
+
+    def set(self, reason: str) -> None:
+        if not os.path.exists(self.path):
+            with open(self.path, "w") as f:
+                f.write(reason)
+
+    def get(self) -> Optional[str]:
+        try:
+            with open(self.path) as f:
+                return f.read() or "a stop request"
+        except FileNotFoundError:
+            return None
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -96,7 +138,7 @@ class PreemptionCheck:
         """Rank 0 reads the flag, and every rank learns its answer (one all-reduce)."""
         if self.stop_flag is None:
             return None
-        reason = ray.get(self.stop_flag.get.remote()) if self.rank == 0 else None
+        reason = self.stop_flag.get() if self.rank == 0 else None
         if not global_max(int(reason is not None), self.device):
             return None
         return Stop(reason or "a stop request")
