@@ -53,13 +53,14 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     # Ray reads its auth settings when it loads, after the cluster choice has set them.
     from raytrain_app.cluster.session import ray_connected
     from raytrain_app.driver import local as local_mode
-    from raytrain_app.driver.plan import make_plan
 
     locally = local_mode.choose(job, address, min_nodes, ray_connected=ray_connected())
+    if locally and job.scaling.max_workers > 1:  # (a child process: it ends with this one, also on a refusal)
+        local_mode.start_fork_server()  # the worker processes' imports load while this one loads its own
+    from raytrain_app.driver.plan import make_plan
+
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"),
                      local=locally)
-    if locally and job.scaling.max_workers > 1:  # once the checks passed: a refused job starts nothing
-        local_mode.start_fork_server()  # the worker processes' torch loads while the run is set up
     try:
         result = _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s)
     except KeyboardInterrupt:

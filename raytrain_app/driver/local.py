@@ -33,13 +33,18 @@ import tempfile
 import threading
 from contextlib import contextmanager, suppress
 from multiprocessing.connection import Listener
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from raytrain_app.cluster.session import running_local_cluster
 from raytrain_app.config import JobConfig
 from raytrain_app.errors import CheckpointNotWritten, TrainingFailed, UserError, last_line
-from raytrain_app.worker import local as worker
-from raytrain_app.worker.loop import WorkerArgs
+
+if TYPE_CHECKING:
+    from raytrain_app.worker.local import Outbox
+    from raytrain_app.worker.loop import WorkerArgs
+
+# The worker's modules (torch, Ray Train) load where they run: this module decides whether a run
+# is local, and starts the fork server that loads them, before the driver has loaded them itself.
 
 
 def cannot(config: JobConfig, address: Optional[str] = None, min_nodes: int = 1) -> list[str]:
@@ -96,8 +101,10 @@ class Inbox:
         threading.Thread(target=self._receive, daemon=True).start()
 
     @property
-    def outbox(self) -> worker.Outbox:
-        return worker.Outbox(self._listener.address, self._authkey)
+    def outbox(self) -> Outbox:
+        from raytrain_app.worker.local import Outbox
+
+        return Outbox(self._listener.address, self._authkey)
 
     def get(self, timeout: float):
         return self._items.get(timeout=timeout)
@@ -134,7 +141,9 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
         try:
             with worker_environment(config.scaling):
                 if in_process:
-                    worker.train(args)
+                    from raytrain_app.worker.local import train
+
+                    train(args)
                 else:
                     _launch(args, config.scaling.max_workers, os.path.join(log_dir, "local"), f"launch-{failures + 1}")
             return
@@ -155,14 +164,15 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
 
 
 # What the fork server that starts worker processes imports once, so that a launch (and every
-# restart's) does not pay torch's import per worker. Not the caller's `__main__`, which a
+# restart's) does not pay it per worker: torch, the dynamo settings DDP's constructor reads (about
+# 1 s), and the worker's own modules with Ray Train's. Not the caller's `__main__`, which a
 # notebook's or a script's `fit()` would not survive being re-run.
-PRELOAD = ["torch"]
+PRELOAD = ["torch", "torch._dynamo", "raytrain_app.worker.local"]
 
 
 def start_fork_server() -> None:
-    """Start the worker processes' fork server now, so that it imports torch while this process
-    plans the run: a launch then forks workers that have it loaded."""
+    """Start the worker processes' fork server now, so that it imports what workers need while
+    this process checks and plans the run: a launch then forks workers that have it loaded."""
     import multiprocessing.forkserver
 
     context = multiprocessing.get_context("forkserver")
@@ -172,11 +182,13 @@ def start_fork_server() -> None:
 
 def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
     """N worker processes through torch's elastic launcher, as `torchrun --standalone` starts
-    them, each forked from a server that has torch loaded (see `start_fork_server`)."""
+    them, each forked from a server that has their imports done (see `start_fork_server`)."""
     from ray import cloudpickle
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from raytrain_app.worker.local import main
 
     start_fork_server()  # if it is not up already
     with tempfile.TemporaryDirectory(prefix="raytrain-local-") as scratch, _quiet_launcher():
@@ -193,7 +205,7 @@ def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
             cloudpickle.dump(args, f)
         try:
             with _main_script_hidden():
-                elastic_launch(config, worker.main)(arguments)
+                elastic_launch(config, main)(arguments)
         except SignalException as e:  # the launcher's word for a signal: Ctrl-C, or a scheduler's SIGTERM
             if e.sigval in (signal.SIGINT, signal.SIGTERM):
                 raise KeyboardInterrupt from None
