@@ -9,7 +9,7 @@ cluster/local.yaml` started before the rounds (stopped after them), (4) the same
 Ray Train `TorchTrainer` script, (5) the same work under `torchrun --standalone
 --nproc_per_node 2`, and prints the median wall times and their ratios to torchrun.
 raytrain-app's own breakdown (imports, cluster, worker group, data, first step) is read from
-each run's startup.json.
+each run's startup.json; torchrun's first step from a file its rank 0 writes after it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
-def timed(cmd: list[str], cwd: str) -> float:
+def timed(cmd: list[str], cwd: str, env: dict) -> float:
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
 
 
@@ -51,12 +51,17 @@ def main() -> None:
                                             "2", os.path.join(HERE, "plain_ddp.py")],
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
+    torchrun_first_step: list[float] = []  # seconds from the command's start, as startup.json's total
     subprocess.run(app + ["cluster", "up", "cluster/local.yaml"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     try:
         for r in range(args.rounds):
             order = list(variants.items())
             for name, cmd in order[r % len(order):] + order[: r % len(order)]:  # rotate who goes first
-                times[name].append(timed(cmd(r), REPO))
+                stamp = os.path.join(tmp, f"first-step-{r}")
+                started = time.time()
+                times[name].append(timed(cmd(r), REPO, {**os.environ, "FIRST_STEP_FILE": stamp}))
+                if name == "torchrun --standalone":
+                    torchrun_first_step.append(float(Path(stamp).read_text()) - started)
     finally:
         subprocess.run(app + ["cluster", "down", "cluster/local.yaml"], cwd=REPO, stdout=subprocess.DEVNULL)
 
@@ -69,6 +74,7 @@ def main() -> None:
         phases = [json.loads(Path(f"{tmp}/{prefix}{r}/startup.json").read_text()) for r in range(args.rounds)]
         print(f"  raytrain-app start-up ({label}), median s: " + ", ".join(
             f"{k} {statistics.median(p[k] for p in phases):.1f}" for k in phases[0]))
+    print(f"  torchrun's first step, median s from the command's start: {statistics.median(torchrun_first_step):.1f}")
 
 
 if __name__ == "__main__":

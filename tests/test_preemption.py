@@ -89,17 +89,20 @@ def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, erro
 
 
 def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, tmp_path):
-    """`workers: 1:2` on the two nodes; the worker node drained mid-epoch and then stopped; a
-    new node started. The run checkpoints at the notice, goes on at one worker from that step
-    (two micro-batches a step: the global batch is kept), grows back to two at the next look
-    for room, says each resize in one line, and finishes. Each sample is trained once per epoch
-    across both resizes: what each group trained up to the checkpoint the next one resumed from,
-    and all that the last trained. The model is slowed while the test changes the cluster."""
+    """`workers: 1:2` under FSDP2 on the two nodes; the worker node drained mid-epoch and then
+    stopped; a new node started. The run checkpoints at the notice, goes on at one worker from
+    that step (the shards gathered into one whole model by torch.distributed.checkpoint; two
+    micro-batches a step: the global batch is kept), grows back to two at the next look for room
+    (sharded again), says each resize in one line, and finishes. Each sample is trained once
+    per epoch across both resizes: what each group trained up to the checkpoint the next one
+    resumed from, and all that the last trained. The model is slowed while the test changes the
+    cluster. (DDP's notices are the fixed-size test's; a replicated model's restore at another
+    size is the simpler case of the same path.)"""
     _, profile, leaders = two_nodes
     run_dir, seen, hold = tmp_path / "run", tmp_path / "seen", tmp_path / "hold"
     seen.mkdir()
     hold.touch()
-    epochs, size = 30, 2000
+    epochs, size = 16, 2000  # (about 5 held epochs pass before the group has grown back)
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
         "name": "elastic", "data": {"name": "tests.helpers:index_data", "args": {"train_size": size, "eval_size": 5}},
@@ -108,6 +111,7 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
         # Checkpoints every 100 steps, never at an epoch's end (250 steps at either size): every
         # restart resumes inside an epoch, whose rest the new world's ranks are dealt.
         "train": {"epochs": epochs, "batch_size": 4}, "checkpoint": {"every_steps": 100, "every_epochs": 100},
+        "strategy": {"name": "fsdp"},
         "scaling": {"workers": "1:2", "resize_interval_s": 2}, "failure": {"placement_timeout_s": 60},
         "tracking": {"tensorboard": False, "report_png": False}}))
     env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
@@ -153,6 +157,10 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
     # group trains on until Ray Train stops it); each group trained from the step the checkpoint
     # it resumed from holds.
     log = (run_dir / "logs" / "rank-0.log").read_text()
+    # Each group's model: sharded over both ranks, whole on the one (FSDP has nothing to shard
+    # over), sharded again; each restored from the checkpoint the one before left.
+    layouts = re.findall(r"sharded over mesh \(2,\)|replicated", log)
+    assert layouts == ["sharded over mesh (2,)", "replicated", "sharded over mesh (2,)"], layouts
     restarts = re.findall(r"resumed from \S+ at step (\d+): epoch \d+ from batch (\d+)", log)
     resumed = [int(step) for step, _ in restarts]
     assert len(resumed) == 2 and resumed[0] >= int(notice[2] or 0), (resumed, notice.groups())
