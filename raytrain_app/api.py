@@ -7,6 +7,7 @@ joined, or at an address) -> Ray Train -> the result. The CLI is a thin layer ov
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -55,12 +56,18 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     from raytrain_app.driver import local as local_mode
 
     locally = local_mode.choose(job, address, min_nodes, ray_connected=ray_connected())
-    if locally and job.scaling.max_workers > 1:  # (a child process: it ends with this one, also on a refusal)
-        local_mode.start_fork_server()  # the worker processes' imports load while this one loads its own
+    # The worker processes' fork server loads their imports beside this process: from the start
+    # where this process has yet to load torch itself (a command), else once the checks passed
+    # (a notebook's fit(), with nothing to overlap: a refused job then starts nothing).
+    fork_server = locally and job.scaling.max_workers > 1
+    if fork_server and "torch" not in sys.modules:
+        local_mode.start_fork_server()  # (a child process: it ends with this one, also on a refusal)
     from raytrain_app.driver.plan import make_plan
 
     plan = make_plan(job, run_dir=run_dir, resume=resume, source=source, warn=lambda line: echo(f"warning: {line}"),
                      local=locally)
+    if fork_server:
+        local_mode.start_fork_server()  # if it is not up already
     try:
         result = _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s)
     except KeyboardInterrupt:

@@ -110,6 +110,37 @@ def test_a_cluster_short_of_nodes_is_waited_for_then_named():
     assert 1.5 <= time.monotonic() - start < 5 and said == ["waiting for nodes: 1 of 2 joined"]
 
 
+def test_a_cluster_too_small_for_the_run_is_said_once_and_a_range_below_min_gives_up():
+    """RoomWatch against the session's cluster (4 CPUs, one node): a fixed run of 6 workers is
+    told once, and waits on (its start tries end it); a range whose min is 5 gives up after
+    failure.placement_timeout_s, interrupting the main thread as Ray Train's own Ctrl-C handling
+    expects, and says what is missing."""
+    from raytrain_app.driver.placement import RoomWatch
+
+    for workers, timeout in ((6, 2.5), ("5:8", 1.5)):
+        config = job(scaling={"workers": workers, "on_resize": "scale_lr"}, failure={"placement_timeout_s": timeout})
+        said = []
+        watch = RoomWatch(config, "/runs/r", said.append)
+        start = time.monotonic()
+        watch.start()
+        try:
+            while time.monotonic() - start < timeout + 3:
+                time.sleep(0.1)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        watch.stop()
+        low = 5 if config.scaling.elastic else 6
+        needs = "the range needs at least" if config.scaling.elastic else "the run needs"
+        assert said == [f"waiting for room: the cluster holds 4 of the {low} workers {needs} (1 nodes: 0 GPUs/4 CPUs); "
+                        f"giving up in {timeout:g}s (failure.placement_timeout_s)"], said
+        assert interrupted == config.scaling.elastic and (watch.gave_up is not None) == interrupted
+    assert watch.gave_up == ("the cluster could not place the 5 workers its range needs within 1.5s "
+                             "(failure.placement_timeout_s): it holds 4 now (1 nodes: 0 GPUs/4 CPUs); `--resume "
+                             "--run-dir /runs/r` continues from its latest checkpoint (with --workers 4 it fits now)")
+    assert time.monotonic() - start < 1.5 + 3
+
+
 def recorded_run(tmp_path, name: str):
     out = tmp_path / name
     out.mkdir()
