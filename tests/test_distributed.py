@@ -2,6 +2,7 @@
 on the real Ray cluster where its placement is what is checked."""
 
 
+import signal
 import time
 
 import pytest
@@ -117,6 +118,8 @@ def test_a_cluster_too_small_for_the_run_is_said_once_and_a_range_below_min_give
     expects, and says what is missing."""
     from raytrain_app.driver.placement import RoomWatch
 
+    # Python's own SIGINT handler, as in a command: in a run, Ray Train's takes its place.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for workers, timeout in ((6, 2.5), ("5:8", 1.5)):
         config = job(scaling={"workers": workers, "on_resize": "scale_lr"}, failure={"placement_timeout_s": timeout})
         said = []

@@ -57,6 +57,7 @@ def test_local_mode_trains_bitwise_what_ray_train_trains(ray_cluster, tmp_path, 
 
 def test_a_killed_worker_process_restarts_the_group_and_resumes_bitwise(tmp_path):
     """Local mode's own restart path (a fresh launch from the latest checkpoint): no Ray here."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     straight = trained(step_checkpointed(tmp_path / "never", "kill"), tmp_path / "straight", True)
     marker = tmp_path / "fault"
     marker.touch()
@@ -74,6 +75,8 @@ def test_a_killed_worker_process_restarts_the_group_and_resumes_bitwise(tmp_path
     same_run(straight, killed)
     restarts = [json.loads(line) for line in (tmp_path / "killed" / "restarts.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in restarts] == ["restart"] and "killed by SIGKILL" in restarts[0]["reason"]
+    # torch's launcher leaves its own signal handlers: this process's (a notebook's Ctrl-C) are back.
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
 def test_a_run_started_in_one_mode_resumes_bitwise_in_the_other(ray_cluster, tmp_path):

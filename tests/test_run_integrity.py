@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -25,7 +26,7 @@ from raytrain_app.config import load_config
 from raytrain_app.config.sections import ScheduleConfig
 from raytrain_app.driver.plan import make_plan
 from raytrain_app.errors import UserError
-from raytrain_app.rundir import lease
+from raytrain_app.rundir import lease, snapshot
 from raytrain_app.rundir.lease import Holder, Lease
 from raytrain_app.worker.optim import build_schedule, extend_schedule
 from tests.commands import command
@@ -189,6 +190,29 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_leaves_nothing_partial_and_resu
     ours, theirs = (torch.load(Path(r.final_checkpoint) / "state.pt", weights_only=True)["model"]
                     for r in (resumed, reference))
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_an_index_that_names_a_pruned_checkpoint_is_mended_and_the_run_resumes_on_ray(ray_cluster, tmp_path):
+    """On Ray because Ray Train's controller is what refuses such an index. A controller stopped
+    (a job's `stop`, a preemption) after it deleted a checkpoint past `checkpoint.keep` and before
+    it wrote its index again leaves an index naming a checkpoint that is gone; the next start
+    takes it out, says so, and resumes from the latest."""
+    run_dir = tmp_path / "run"
+    sets = ["train.epochs=3", "checkpoint.every_epochs=1", "checkpoint.keep=2", "tracking.report_png=false"]
+    raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=sets, **QUIET)
+    index = snapshot.read(str(run_dir))
+    latest = index["latest_checkpoint_result"]["checkpoint_dir_name"]
+    [pruned] = [e["checkpoint_dir_name"] for e in index["checkpoint_results"] if e["checkpoint_dir_name"] != latest]
+    shutil.rmtree(run_dir / pruned)
+    said = []
+    resumed = raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=[*sets, "train.epochs=4"], resume=True,
+                               local=False, echo=said.append)
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
+    assert f"warning: the run's checkpoint index named {pruned}, which is gone (a run stopped while it pruned " \
+           "checkpoints): taken out of the index" in said, said
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"resumed from {run_dir}/{latest} at step" in log, log
+    assert pruned not in json.dumps(snapshot.read(str(run_dir)))
 
 
 def test_a_model_that_does_not_fit_the_checkpoint_is_named_not_called_damage(tmp_path):

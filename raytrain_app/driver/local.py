@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from raytrain_app.cluster.session import running_local_cluster
 from raytrain_app.config import JobConfig
+from raytrain_app.driver.signals import handlers_kept
 from raytrain_app.errors import CheckpointNotWritten, TrainingFailed, UserError, last_line
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
             pickle.dump(dict(os.environ), f)
             cloudpickle.dump(args, f)
         try:
-            with _main_script_hidden():
+            with _main_script_hidden(), handlers_kept():  # the launcher sets its own and leaves them
                 elastic_launch(config, main)(arguments)
         except SignalException as e:  # the launcher's word for a signal: Ctrl-C, or a scheduler's SIGTERM
             if e.sigval in (signal.SIGINT, signal.SIGTERM):

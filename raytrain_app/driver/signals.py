@@ -51,3 +51,20 @@ def stop_on_usr1(stop_flag, echo):
         yield
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+@contextmanager
+def handlers_kept():
+    """This process's handlers of the stop signals, back as they were after the block. torch's
+    elastic launcher (local mode) and Ray Train's `fit` each set their own and leave them: after
+    a run, a notebook's Ctrl-C would meet the launcher's, or Ray Train's handler for a controller
+    that is gone."""
+    signals = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)]
+    before = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in before.items():
+                if handler is not None:
+                    signal.signal(sig, handler)

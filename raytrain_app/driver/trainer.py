@@ -32,7 +32,7 @@ from raytrain_app.data.raydata import read_train
 from raytrain_app.driver import local, placement
 from raytrain_app.driver.plan import RunPlan
 from raytrain_app.driver.result import Result
-from raytrain_app.driver.signals import stop_on_usr1
+from raytrain_app.driver.signals import handlers_kept, stop_on_usr1
 from raytrain_app.errors import (
     CheckpointNotWritten,
     Stopped,
@@ -71,6 +71,10 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     config = plan.config
     if not plan.local:
         check_workers_fit(connected_nodes(), config)
+    gone = snapshot.drop_missing(plan.run_dir)  # what an earlier run's stopped controller left, as the lease is held
+    if gone:
+        echo(f"warning: the run's checkpoint index named {', '.join(gone)}, which {'is' if len(gone) == 1 else 'are'} "
+             f"gone (a run stopped while it pruned checkpoints): taken out of the index")
     rundir.remove_partial(plan.run_dir)  # what an earlier run's failed write left, now that we hold the lease
     storage.write_text(storage.join(plan.run_dir, "config.yaml"), dump_yaml(config))
     history = rundir.MetricsLog(storage.join(plan.run_dir, rundir.METRICS), resume=plan.resume)
@@ -203,7 +207,8 @@ def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str
 def _fit(trainer: TorchTrainer, config: JobConfig, run_dir: str, watch: placement.RoomWatch):
     watch.start()
     try:
-        return trainer.fit()
+        with handlers_kept():  # Ray Train's SIGINT handler stops this run, and no later one
+            return trainer.fit()
     except BaseException as e:
         if watch.gave_up:
             raise TrainingFailed(watch.gave_up) from None
@@ -212,6 +217,8 @@ def _fit(trainer: TorchTrainer, config: JobConfig, run_dir: str, watch: placemen
         lost_local_node(wait_s=0.5 if isinstance(e, ray.exceptions.RayActorError) else 0)
         if isinstance(e, ray.train.TrainingFailedError):
             raise explain_failure(e, config, run_dir) from None
+        if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:  # Ray Train's controller refused
+            raise TrainingFailed(f"Ray Train could not start the run: {last_line(e)}") from None
         if isinstance(e, (SystemExit, ray.exceptions.RayActorError)):
             # Ray Train's own SIGINT handler aborts the run and raises SystemExit (or, in older
             # versions, kills its controller). An interrupted run is not a successful one.

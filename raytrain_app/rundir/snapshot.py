@@ -7,7 +7,9 @@ other way round), and `runs`, `remove_partial` and `--resume` read one index whi
 
 The rule (Ray's `CheckpointManager`): checkpoints are ordered by score, worst first, ties by
 report order; the worst beyond `keep` go, never the latest. The index is written before the
-deletion, so a crash between the two leaves an index that names only what still exists.
+deletion, so a crash between the two leaves an index that names only what still exists. Ray's
+controller can be stopped between a deletion and the index's next write, and its next start
+refuses such an index: `drop_missing` mends it first.
 """
 
 from __future__ import annotations
@@ -58,3 +60,27 @@ def add(run_dir: str, name: str, metrics: dict, metric: str, mode: str, keep: in
     storage.write_text(storage.join(run_dir, SNAPSHOT), json.dumps(index))
     for e, _ in dropped:
         storage.remove(storage.join(run_dir, e["checkpoint_dir_name"]))
+
+
+def drop_missing(run_dir: str) -> list[str]:
+    """Take out of the index the checkpoints it names that are gone; the newest left becomes the
+    latest if the latest went. Ray Train's controller, stopped (a job's `stop`, a preemption)
+    after it deleted a checkpoint past `keep` and before it wrote the index again, leaves one that
+    its next start refuses ("a reference to a checkpoint that does not exist anymore"). Only
+    with the run directory's lease held. Returns the names taken out."""
+    index = read(run_dir)
+    if not index:
+        return []
+    pairs = list(zip(index["checkpoint_results"], index["checkpoint_report_indices"]))
+    gone = {e["checkpoint_dir_name"] for e, _ in pairs
+            if not storage.exists(storage.join(run_dir, e["checkpoint_dir_name"]))}
+    if not gone:
+        return []
+    kept = [(e, i) for e, i in pairs if e["checkpoint_dir_name"] not in gone]
+    index["checkpoint_results"] = [e for e, _ in kept]
+    index["checkpoint_report_indices"] = [i for _, i in kept]
+    latest = index.get("latest_checkpoint_result")
+    if latest and latest["checkpoint_dir_name"] in gone:
+        index["latest_checkpoint_result"] = max(kept, key=lambda pair: pair[1])[0] if kept else None
+    storage.write_text(storage.join(run_dir, SNAPSHOT), json.dumps(index))
+    return sorted(gone)
