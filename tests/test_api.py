@@ -2,6 +2,7 @@
 session's Ray cluster (fit uses the connection a caller already has)."""
 
 import re
+import signal
 
 import pytest
 import torch
@@ -30,7 +31,10 @@ def test_the_readme_example_trains_a_notebook_model_and_predicts_raw_rows(ray_cl
     pickled by value to Ray's workers."""
     monkeypatch.chdir(tmp_path)  # its runs/ go here
     namespace = {"__name__": "__main__"}  # as in a notebook: the model function is pickled by value
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     exec(compile(readme_example(), "README.md", "exec"), namespace)
+    # Ray Train's fit sets its own SIGINT handler and leaves it: the notebook's are back.
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     result, model = namespace["result"], namespace["model"]
 
     assert isinstance(result, raytrain_app.Result) and result.run_dir.startswith(str(tmp_path / "runs"))
