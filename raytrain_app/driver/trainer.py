@@ -111,11 +111,15 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
                              callbacks if plan.local else ())
     listener.start()
     try:
-        with stop_on_usr1(stop_flag, echo):
-            if plan.local:
-                final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
-            else:
-                final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
+        try:
+            with stop_on_usr1(stop_flag, echo):
+                if plan.local:
+                    final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
+                else:
+                    final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
+        finally:
+            if stop_flag is not None:
+                stop_flag.close()  # its actor, or its folder: however the run ended
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
             raise TrainingFailed(_nonfinite_message(listener.nonfinite, final))
         if listener.stopped:
@@ -158,8 +162,6 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
         ray.kill(args.events.actor)
         if args.restarts is not None:
             ray.kill(args.restarts)
-        if args.stop_flag is not None:
-            args.stop_flag.close()
     return storage.checkpoint_uri(run_dir, result.checkpoint) if result.checkpoint else None
 
 
@@ -200,7 +202,6 @@ def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str
         listener.stop()
         if isinstance(listener.events, local.Inbox):
             listener.events.close()
-        args.stop_flag.close()
     return snapshot.latest(run_dir)
 
 
