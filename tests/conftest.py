@@ -22,10 +22,23 @@ RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test
                "test_raydata", "test_scripts", "test_rayinternals", "test_preemption"}
 
 
+# The suite runs in two processes (pytest-xdist, `-n 2 --dist loadfile`: a module's tests, and its fixtures,
+# stay in one of them), each with its own session cluster. Modules start longest first, so that neither
+# process is left with a long one at the end.
+LONGEST_FIRST = ["test_submit", "test_preemption", "test_sweep", "test_slurm", "test_local_mode", "test_raydata",
+                 "test_shutdown", "test_reliability", "test_scripts", "test_cli", "test_distributed"]
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "ray_cluster" in item.fixturenames or item.module.__name__.rsplit(".", 1)[-1] in RAY_MODULES:
+        if "ray_cluster" in item.fixturenames or _module(item) in RAY_MODULES:
             item.add_marker(pytest.mark.ray)
+    items.sort(key=lambda item: LONGEST_FIRST.index(_module(item)) if _module(item) in LONGEST_FIRST
+               else len(LONGEST_FIRST))
+
+
+def _module(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1]
 
 
 @pytest.fixture(scope="session", autouse=True)

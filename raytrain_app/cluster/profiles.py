@@ -126,9 +126,11 @@ class Slurm(Section):
     node_tmp: str = Field("/tmp", pattern=r"^/\S*$", max_length=32,
                           description="node-local disk for Ray's temp dir, NODE_TMP/rt-JOBID (Ray's Unix "
                                       "socket paths must stay under 107 bytes)")
-    port_min: int = Field(10000, ge=1024, le=65535, description="each job's Ray ports are a block of 200 in "
+    port_min: int = Field(20000, ge=1024, le=65535, description="each job's Ray ports are a block of 200 in "
                                                                "[port_min, port_max], chosen by its job id, so "
-                                                               "two jobs sharing a node never collide")
+                                                               "two jobs sharing a node never collide; above "
+                                                               "10002-19999, where any other Ray on the node puts "
+                                                               "its workers by default")
     port_max: int = Field(32767, ge=1024, le=65535, description="keep below the kernel's ephemeral ports (32768+)")
     log_dir: Optional[str] = Field(None, description="a shared directory for SLURM's job output files, "
                                                      "raytrain-JOBID.out (default: STORAGE/slurm-logs; required "

@@ -259,15 +259,19 @@ def _main_script_hidden():
 def _quiet_launcher():
     """The launcher's own account of a failure (its log lines, and those of the process group it
     starts the workers in) is said in one line by `_reason`."""
+    # Their modules' loggers set levels of their own (WARNING), so a level set here would not reach
+    # them: their records stop here instead, at a handler that drops them.
     loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
-    before = [logger.level for logger in loggers]
+    dropped, before = logging.NullHandler(), [logger.propagate for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
+        logger.addHandler(dropped)
+        logger.propagate = False
     try:
         yield
     finally:
-        for logger, level in zip(loggers, before):
-            logger.setLevel(level)
+        for logger, propagate in zip(loggers, before):
+            logger.removeHandler(dropped)
+            logger.propagate = propagate
 
 
 @contextmanager
