@@ -18,6 +18,16 @@ cores, and efficiency < 1 there measures oversubscription, not the trainer.
     python benchmarks/scaling.py                                     # LeNet, batch 64, 1, 2, 4 workers
     python benchmarks/scaling.py --model mlp --json runs/scaling-mlp.json
     python benchmarks/scaling.py --workers 1,2 --steps 10 --epochs 2   # smoke test
+
+With `--hooks none,fp16,bf16,powersgd`, each DDP communication hook (`ddp.comm_hook`) trains the
+same job again at the largest worker count, in local mode, in a table of its own beside torchrun
+DDP. On one machine the workers' all-reduce goes over loopback, which moves gigabytes a second
+on the same cores that compute, so there is little to save. `--link 2gbit` (root, Linux `tc`)
+throttles loopback for the whole run to the bandwidth of a cluster's network, where the
+all-reduce costs what it costs between nodes; it is put back when the run ends.
+
+    python benchmarks/scaling.py --model mlp --workers 1,2 --hooks none,fp16,bf16,powersgd
+    sudo python benchmarks/scaling.py --model mlp --workers 1,2 --hooks none,fp16,bf16,powersgd --link 2gbit
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 
 import torch
 
@@ -47,8 +58,15 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4, help="epochs; the first is warm-up")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the job config, e.g. train.ddp_bucket_cap_mb=1; repeatable")
+    p.add_argument("--hooks", help="comma list of ddp.comm_hook values to compare at the largest worker count")
+    p.add_argument("--link", help="throttle loopback to this rate for the run (tc's units: 2gbit, 500mbit)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
+    with throttled_loopback(args.link):
+        run(p, args)
+
+
+def run(p: argparse.ArgumentParser, args) -> None:
     counts = sorted({int(w) for w in args.workers.split(",")})
     if counts[0] != 1:
         p.error("--workers must include 1: efficiency is relative to one worker")
@@ -101,10 +119,49 @@ def main() -> None:
     if counts[-1] > (os.cpu_count() or 1):
         print(f"note: {counts[-1]} workers on {os.cpu_count()} cores share cores; efficiency there measures "
               f"oversubscription, not the trainer")
+    hooks = compare_hooks(args, counts[-1], plain[counts[-1]], tmp) if args.hooks else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpus": os.cpu_count(), "torch": torch.__version__, "args": vars(args), "results": results},
-                      f, indent=1)
+            json.dump({"cpus": os.cpu_count(), "torch": torch.__version__, "args": vars(args), "results": results,
+                       "hooks": hooks}, f, indent=1)
+
+
+def compare_hooks(args, workers: int, plain: float, tmp: str) -> list[dict]:
+    """Each communication hook at `workers` workers in local mode: samples/s against torchrun DDP's
+    (no hook) and against raytrain-app with none, and the epoch line's estimate of the comm share."""
+    found = []
+    for hook in args.hooks.split(","):
+        plan = raytrain_plan(raytrain_job(f"hook-{hook}", args.model, args.batch, args.steps, args.epochs, workers,
+                                          "fp32", "off", 0), [*args.overrides, f"ddp.comm_hook={hook}"],
+                             os.path.join(tmp, f"hook-{hook}"), local=True)
+        rows = run_training(plan, echo=lambda *_: None).metrics
+        found.append({"hook": hook, "samples_per_s": median_after_first([r["samples_per_s"] for r in rows]),
+                      "comm_frac": median_after_first([r["comm_frac"] for r in rows])})
+    none = next((f["samples_per_s"] for f in found if f["hook"] == "none"), None)
+    link = f", loopback throttled to {args.link}" if args.link else ""
+    print(f"\nddp.comm_hook at {workers} workers, local mode{link}:")
+    print_table(["comm_hook", "samples/s", "vs torchrun DDP", "vs none", "comm (est.)"],
+                [[f["hook"], f"{f['samples_per_s']:,.0f}", f"{f['samples_per_s'] / plain:.2f}x",
+                  f"{f['samples_per_s'] / none:.2f}x" if none else "-", f"{f['comm_frac']:.0%}"] for f in found])
+    return found
+
+
+@contextmanager
+def throttled_loopback(rate: str | None):
+    """Loopback at `rate` (a token bucket filter, Linux tc), as a cluster's network would carry
+    the all-reduce; None: as it is."""
+    if not rate:
+        yield
+        return
+    tc = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+    added = subprocess.run(tc, capture_output=True, text=True)
+    if added.returncode:
+        raise SystemExit(f"error: --link {rate}: {' '.join(tc)} failed (root and a loopback without a qdisc "
+                         f"needed): {added.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=True)
 
 
 def plain_ddp(workers: int, args) -> list[float]:

@@ -147,7 +147,7 @@ def test_fsdp_and_hsdp_train_and_evaluate_as_ddp_does(tmp_path):
 def _odd_rows(rank: int, out_dir: str) -> None:
     """A GPT whose position table has 17 rows: fsdp gives rank 0 nine and rank 1 eight."""
     parallel, _, _, _ = trained(rank, 2, VARIANTS["fsdp"])
-    metrics = EpochMetrics(parallel.model, (LENGTH,), "fp32", CPU, 2)  # all-reduces its shard's size to time it
+    metrics = EpochMetrics(parallel.model, (LENGTH,), "fp32", CPU, 2, parallel.sent_per_step())  # its shard: timed
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"sync_s": metrics.sync_s,
                                                                  "held": held(parallel.model, None)["params"]}))
 

@@ -24,6 +24,7 @@ from raytrain_app.config.sections import (
     SCRIPT_SECTIONS,
     CheckpointConfig,
     DataConfig,
+    DDPConfig,
     FailureConfig,
     ModelConfig,
     OptimizerConfig,
@@ -48,6 +49,7 @@ class JobConfig(Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    ddp: DDPConfig = Field(default_factory=DDPConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     failure: FailureConfig = Field(default_factory=FailureConfig)
@@ -87,7 +89,7 @@ class JobConfig(Section):
         if self.script is not None:
             problems += [f"{key}: is not used with a script, which trains itself (a script takes "
                          f"{', '.join(SCRIPT_SECTIONS)})" for key in ("seed", "model", "data", "task", "optimizer",
-                                                                    "schedule", "train", "strategy", "tracking")
+                                                                    "schedule", "train", "strategy", "ddp", "tracking")
                          if getattr(self, key) != JobConfig.model_fields[key].get_default(call_default_factory=True)]
         reported = self.reported_metrics
         watched = [("checkpoint.metric", self.checkpoint.metric)]
@@ -136,6 +138,13 @@ class JobConfig(Section):
         if st.sharded and st.cpu_offload and self.scaling.gpus_per_worker == 0:
             problems.append("strategy.cpu_offload: needs GPU workers (it moves GPU memory to pinned CPU memory; on CPU "
                             "workers everything is in CPU memory already)")
+        # Each strategy has its own way to send fewer bytes: the other's would be silently ignored.
+        if st.sharded and self.ddp.comm_hook != "none":
+            problems.append(f"ddp.comm_hook: applies to strategy ddp, not {st.name}, whose gradients are "
+                            "reduce-scattered: set strategy.reduce_dtype instead")
+        if not st.sharded and st.reduce_dtype != "auto":
+            problems.append("strategy.reduce_dtype: applies to strategy fsdp or hsdp: under ddp set ddp.comm_hook "
+                            "instead")
         if st.sharded and self.train.precision == "fp16":
             problems.append(f"train.precision: fp16 is not supported under strategy {st.name} (its loss scaler does "
                             "not see sharded gradients): use bf16")

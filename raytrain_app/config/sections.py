@@ -236,10 +236,29 @@ class StrategyConfig(Section):
     cpu_offload: bool = Field(False, description="keep sharded parameters and optimizer state in CPU memory")
     replicate_degree: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
         "auto", description="hsdp: replicas (auto: one per node); each shards over workers / replicate_degree")
+    reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="the dtype gradients are reduce-scattered in (auto: fp32); bf16 or fp16 halves the "
+                            "bytes sent, each worker keeping fp32 gradient shards (FSDP2's MixedPrecisionPolicy)")
 
     @property
     def sharded(self) -> bool:
         return self.name != "ddp"
+
+
+class PowerSGDConfig(Section):
+    rank: int = Field(4, ge=1, description="the rank of each gradient matrix's approximation: higher sends more, "
+                                           "closer to the gradient")
+    start_iter: int = Field(10, ge=2, description="optimizer steps of plain all-reduce before compression starts "
+                                                  "(DDP settles its buckets in the first ones)")
+    warm_start: bool = Field(True, description="start each step's factors from the last step's: a closer "
+                                               "approximation for the same bytes, at the cost of memory")
+
+
+class DDPConfig(Section):
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="what DDP's gradient all-reduce sends: fp16 or bf16 halves it; powersgd sends a "
+                            "low-rank approximation of each gradient matrix, with error feedback")
+    powersgd: PowerSGDConfig = Field(default_factory=PowerSGDConfig)
 
 
 class CheckpointConfig(Section):

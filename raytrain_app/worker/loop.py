@@ -148,11 +148,13 @@ def _run(w: Worker) -> None:
     steps_per_epoch = -(-len(train_dl) // batches.accum_steps)
     state = TrainState(parallel.model, optimizer, build_schedule(optimizer, job.schedule, steps_per_epoch, tc.epochs),
                        precision.scaler, sharded=parallel.mesh is not None,
-                       early_stopping=EarlyStopping(tc.early_stopping) if tc.early_stopping else None)
+                       early_stopping=EarlyStopping(tc.early_stopping) if tc.early_stopping else None,
+                       comm_hook=parallel.comm_hook)
     step = Step(parallel.train_model, precision, task, batches.accum_steps, tc.grad_clip, device,
                 parallel.memory_format, parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite),
                 samples_per_batch=batches.batch_size * world_size)
-    epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size)
+    epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size,
+                                 parallel.sent_per_step())
     # What each checkpoint holds besides the state: the config, what the model was built for and
     # how raw inputs become its inputs (`raytrain_app.load_model` rebuilds it from these), and the
     # layout it was trained under, with a streamed dataset's row groups, which its position within

@@ -165,14 +165,14 @@ def peak_flops(device_name: str, precision: str) -> Optional[float]:
     return None
 
 
-def allreduce_seconds(numel: int, device: torch.device, repeats: int = 5) -> float:
-    """Median time to all-reduce `numel` fp32 values across the process group: what one step's
-    gradient sync would cost if none of it overlapped the backward pass."""
+def allreduce_seconds(numel: int, dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
+    """Median time to all-reduce `numel` values of `dtype` across the process group: what one
+    step's gradient sync would cost if none of it overlapped the backward pass."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 0.0
     # Every rank must send as many values: FSDP splits a parameter's rows unevenly when they do not
     # divide by the ranks, so local shards differ in size, and Gloo aborts a mismatched all-reduce.
-    buffer = torch.zeros(int(global_max(numel, device)), dtype=torch.float32, device=device)
+    buffer = torch.zeros(int(global_max(numel, device)), dtype=dtype, device=device)
     times = []
     for _ in range(repeats + 1):  # the first call warms up the communicator
         dist.barrier()
@@ -199,18 +199,17 @@ class EpochMetrics:
     ranks, global throughput (all samples over the slowest rank's time), where the time went, and
     on GPUs the FLOPs achieved and the MFU.
 
-    Calibrated once per run: one unoverlapped all-reduce of the gradients bounds each step's
+    Calibrated once per run: one unoverlapped all-reduce of what a step sends (the gradients, or
+    what a communication hook or a lower reduce dtype makes of them) bounds each step's
     communication; the GPU's dense peak (known GPUs, bf16/fp16) is the MFU's denominator; FLOPs
     per sample are counted after the first epoch, off the start-up path.
     """
 
     def __init__(self, model: nn.Module, input_shape: tuple[int, ...], precision: str, device: torch.device,
-                 world_size: int):
+                 world_size: int, sent: tuple[int, torch.dtype]):
+        """`sent`: how many values of which dtype a step's gradient collective sends per worker."""
         self.model, self.input_shape, self.device, self.world_size = model, input_shape, device, world_size
-        # A sharded parameter counts its local shard: calibrating with the whole model's size would
-        # allocate it on one device, which is what sharding avoids.
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if p.requires_grad]
-        self.sync_s = allreduce_seconds(sum(p.numel() for p in local), device)
+        self.sync_s = allreduce_seconds(*sent, device)
         self.peak = peak_flops(torch.cuda.get_device_name(device), precision) if device.type == "cuda" else None
         self.flops_per_sample: Optional[float] = None
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from raytrain_app.worker import optim
+from raytrain_app.worker.comm_hook import CommHook
 from raytrain_app.worker.early_stopping import EarlyStopping
 from raytrain_app.worker.metrics import Totals
 
@@ -87,6 +88,7 @@ class TrainState:
     clock: EpochClock = field(default_factory=EpochClock)
     sharded: bool = False  # the model is FSDP-sharded: weights and optimizer go through DCP
     early_stopping: Optional[EarlyStopping] = None  # what it has seen so far, when the run watches a metric
+    comm_hook: Optional[CommHook] = None  # PowerSGD's factors and error feedback, when DDP sends through it
 
     def finish_epoch(self) -> None:
         self.epoch, self.batch, self.samples, self.totals = self.epoch + 1, 0, 0, None
@@ -105,6 +107,7 @@ class TrainState:
             "batch": self.batch,
             "samples": self.samples,
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+            "comm_hook": self.comm_hook.state_dict() if self.comm_hook else None,
         }
 
     def load_state_dict(self, saved: dict, shards: Optional[str] = None) -> None:
@@ -125,6 +128,8 @@ class TrainState:
         self.samples = saved.get("samples")  # None from a checkpoint that predates it: see the loop
         if self.early_stopping and saved.get("early_stopping"):  # else: watched from this resume on
             self.early_stopping.load_state_dict(saved["early_stopping"])
+        if self.comm_hook:
+            self.comm_hook.load_state_dict(saved.get("comm_hook"))
 
     def sharded_state_dict(self) -> dict:
         """Weights and optimizer state keyed by parameter name, as this rank's DTensor shards."""
@@ -166,7 +171,8 @@ class TrainState:
         """What this rank alone holds, saved by every rank."""
         mid_epoch = self.batch and self.totals is not None
         return {"rng": RNG.state_dict(), "totals": self.totals.state_dict() if mid_epoch else None,
-                "clock": self.clock.state_dict()}
+                "clock": self.clock.state_dict(), "comm_hook": self.comm_hook.rank_state_dict() if self.comm_hook
+                else None}
 
     def load_rank_state_dict(self, saved: Optional[dict], device: torch.device, gone: Sequence[dict] = ()) -> None:
         """This rank's saved part (None: a rank that did not exist then keeps its fresh seed), and
@@ -174,6 +180,8 @@ class TrainState:
         rank carries on through the epoch under way."""
         if saved is not None:
             RNG.load_state_dict(saved["rng"])
+        if self.comm_hook:
+            self.comm_hook.load_rank_state_dict(saved.get("comm_hook") if saved else None)
         parts = [part for part in (saved, *gone) if part is not None and part["totals"] is not None]
         if self.batch and parts:
             self.totals = Totals(device)

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_app.config import JobConfig
 from raytrain_app.config.sections import StrategyConfig, TrainConfig
 from raytrain_app.errors import ConfigError
+from raytrain_app.worker.comm_hook import CommHook
 
 
 @dataclass
@@ -35,9 +36,19 @@ class Parallel:
     memory_format: torch.memory_format
     cuda_graphs: bool  # the compiled step replays CUDA graphs (mark each step's start)
     mesh: Optional[tuple[int, ...]] = None  # the device mesh's shape when sharded, else None
+    comm_hook: Optional[CommHook] = None  # what DDP's all-reduce sends, when not plain fp32
+    reduce_dtype: torch.dtype = torch.float32  # what FSDP2 reduce-scatters gradients in
 
     def describe(self) -> str:
         return f"sharded over mesh {self.mesh}" if self.mesh else "replicated"
+
+    def sent_per_step(self) -> tuple[int, torch.dtype]:
+        """How many values of which dtype a step's gradient collective sends per worker. A sharded
+        parameter counts its local shard: the whole model's size would not fit one device."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters() if p.requires_grad]
+        if self.comm_hook:
+            return self.comm_hook.sent(local)
+        return sum(p.numel() for p in local), self.reduce_dtype
 
 
 def describe_layout(layout: dict) -> str:
@@ -65,7 +76,8 @@ def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, de
         ranks = mesh_ranks(st, world_size, node)
         wrapped = shard(model, st, ranks, device)
         train_model, cuda_graphs = compiled(wrapped, tc.compile, world_size, tc.grad_accum_steps, device, warn)
-        return Parallel(wrapped, train_model, memory_format, cuda_graphs, tuple(ranks.shape))
+        return Parallel(wrapped, train_model, memory_format, cuda_graphs, tuple(ranks.shape),
+                        reduce_dtype=REDUCE_DTYPES[st.reduce_dtype])
     # Under DDP the model is compiled inside it, not around it: Dynamo does not trace DDP's own
     # forward, and then compiles the module DDP calls only where its code is not torch's (a
     # built-in nn.Sequential stayed eager). Compiled inside, it still gets DDP's bucket splitting.
@@ -75,6 +87,10 @@ def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, de
         train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" and not placed else None,
                           bucket_cap_mb=tc.ddp_bucket_cap_mb, gradient_as_bucket_view=True,
                           static_graph=tc.ddp_static_graph)
+        if job.ddp.comm_hook != "none":
+            hook = CommHook(job.ddp, job.seed, world_size, device, warn)
+            hook.register(train_model)
+            return Parallel(model, train_model, memory_format, cuda_graphs, comm_hook=hook)
     return Parallel(model, train_model, memory_format, cuda_graphs)
 
 
@@ -102,6 +118,9 @@ def mesh_ranks(st: StrategyConfig, world_size: int, node: str) -> torch.Tensor:
     return torch.tensor([rank for ranks in by_node.values() for rank in ranks]).reshape(replicas, -1)
 
 
+REDUCE_DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def shard(model: nn.Module, st: StrategyConfig, ranks: torch.Tensor, device: torch.device) -> nn.Module:
     """`fully_shard` on each shard unit, innermost first, then on the root: the root is sharded in
     place (it becomes an FSDPModule and its parameters DTensors)."""
@@ -112,9 +131,10 @@ def shard(model: nn.Module, st: StrategyConfig, ranks: torch.Tensor, device: tor
     options = {
         "mesh": DeviceMesh(device.type, ranks, mesh_dim_names=names),
         "reshard_after_forward": st.reshard_after_forward,
-        # bf16 gathers and compute; gradients reduced in fp32, as torchtitan does.
-        "mp_policy": (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                      if st.mixed_precision == "bf16" else MixedPrecisionPolicy()),
+        # bf16 gathers and compute; gradients reduced in fp32 unless strategy.reduce_dtype says
+        # otherwise, as torchtitan does.
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16 if st.mixed_precision == "bf16" else None,
+                                          reduce_dtype=REDUCE_DTYPES[st.reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if st.cpu_offload else OffloadPolicy(),
     }
     for unit in shard_units(model, st.shard_modules):
