@@ -216,8 +216,8 @@ class NodeWatch(threading.Thread):
 
     When it dies (killed, out of memory), Ray's core ends the driver within a fraction of a
     second (QuickExit, exit code 1), skipping every `finally`, after an error that reads like an
-    interrupt. So the watch, polling the raylet process (a zombie once it exits) and the GCS's
-    view of the node (which knows of a SIGTERM first), says why in one line, records it
+    interrupt. So the watch, told by a waiting thread when the raylet process ends, and polling
+    the GCS's view of the node (which knows of a SIGTERM first), says why in one line, records it
     (`on_lost`), keeps Ray's logs, and exits 1 itself.
     """
 
@@ -231,6 +231,17 @@ class NodeWatch(threading.Thread):
         self.raylet = next((p for p in psutil.Process().children() if _is_raylet(p, socket_name)), None)
         self._stopped = threading.Event()
         self._failing = threading.Lock()
+        self._raylet_gone = threading.Event()
+        self._raylet_end: Optional[os.waitid_result] = None  # how it ended, once it has
+        if self.raylet is not None:
+            threading.Thread(target=self._await_raylet, daemon=True, name="raytrain-raylet-exit").start()
+
+    def _await_raylet(self) -> None:
+        """Block until the raylet ends, and keep how, without reaping it. Ray's own code may reap
+        it first (under load it did), after which nobody could tell a SIGKILL from an exit."""
+        with suppress(ChildProcessError, OSError):
+            self._raylet_end = os.waitid(os.P_PID, self.raylet.pid, os.WEXITED | os.WNOWAIT)
+        self._raylet_gone.set()
 
     def run(self) -> None:
         while not self._stopped.wait(WATCH_INTERVAL_S):
@@ -246,13 +257,10 @@ class NodeWatch(threading.Thread):
         """Why the node is gone, or None while it is up."""
         import ray
 
-        if self.raylet is not None:
-            try:
-                if self.raylet.status() == psutil.STATUS_ZOMBIE:  # exited; ours to reap, for how it ended
-                    _, status = os.waitpid(self.raylet.pid, os.WNOHANG)
-                    return _ended(status)
-            except (psutil.NoSuchProcess, ChildProcessError):
-                return "raylet exited"
+        if self._raylet_gone.is_set():
+            with suppress(ChildProcessError):  # reaped here, unless Ray's code did
+                os.waitpid(self.raylet.pid, os.WNOHANG)
+            return _ended(self._raylet_end) if self._raylet_end else "raylet exited"
         if self._stopped.is_set():
             return None
         try:
@@ -284,10 +292,10 @@ def _is_raylet(process: psutil.Process, socket_name: str) -> bool:
         return False
 
 
-def _ended(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"raylet exited: killed by {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"raylet exited with code {os.WEXITSTATUS(status)}" if status else "raylet exited"
+def _ended(end: os.waitid_result) -> str:
+    if end.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return f"raylet exited: killed by {signal.Signals(end.si_status).name}"
+    return f"raylet exited with code {end.si_status}" if end.si_status else "raylet exited"
 
 
 @contextmanager
