@@ -171,8 +171,8 @@ class TrainState:
         """What this rank alone holds, saved by every rank."""
         mid_epoch = self.batch and self.totals is not None
         return {"rng": RNG.state_dict(), "totals": self.totals.state_dict() if mid_epoch else None,
-                "clock": self.clock.state_dict(), "comm_hook": self.comm_hook.rank_state_dict() if self.comm_hook
-                else None}
+                "clock": self.clock.state_dict(),
+                "comm_hook": self.comm_hook.rank_state_dict() if self.comm_hook else None}
 
     def load_rank_state_dict(self, saved: Optional[dict], device: torch.device, gone: Sequence[dict] = ()) -> None:
         """This rank's saved part (None: a rank that did not exist then keeps its fresh seed), and

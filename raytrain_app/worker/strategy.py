@@ -82,6 +82,7 @@ def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, de
     # forward, and then compiles the module DDP calls only where its code is not torch's (a
     # built-in nn.Sequential stayed eager). Compiled inside, it still gets DDP's bucket splitting.
     train_model, cuda_graphs = compiled(model, tc.compile, world_size, tc.grad_accum_steps, device, warn)
+    hook = None
     if world_size > 1:
         # device_ids=None: a model on several devices (or the CPU) is not DDP's to place.
         train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" and not placed else None,
@@ -90,8 +91,7 @@ def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, de
         if job.ddp.comm_hook != "none":
             hook = CommHook(job.ddp, job.seed, world_size, device, warn)
             hook.register(train_model)
-            return Parallel(model, train_model, memory_format, cuda_graphs, comm_hook=hook)
-    return Parallel(model, train_model, memory_format, cuda_graphs)
+    return Parallel(model, train_model, memory_format, cuda_graphs, comm_hook=hook)
 
 
 def mesh_ranks(st: StrategyConfig, world_size: int, node: str) -> torch.Tensor:
