@@ -3,6 +3,7 @@ profile's engine, and the frame that turns the library's exceptions into one lin
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -176,4 +177,8 @@ def run() -> None:
     except click.Abort:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    finally:
+        # Python's last collection at exit walks every object torch and Ray made: a second after
+        # the command's output, for nothing (what must run at exit runs from atexit).
+        gc.freeze()
     sys.exit(code if isinstance(code, int) else 0)

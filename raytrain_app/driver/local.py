@@ -167,8 +167,9 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
 # What the fork server that starts worker processes imports once, so that a launch (and every
 # restart's) does not pay it per worker: torch, the dynamo settings DDP's constructor reads (about
 # 1 s), and the worker's own modules with Ray Train's. Not the caller's `__main__`, which a
-# notebook's or a script's `fit()` would not survive being re-run.
-PRELOAD = ["torch", "torch._dynamo", "raytrain_app.worker.local"]
+# notebook's or a script's `fit()` would not survive being re-run. Last, `worker/preloaded`, which
+# hides all that from the garbage collector (see there).
+PRELOAD = ["torch", "torch._dynamo", "raytrain_app.worker.local", "raytrain_app.worker.preloaded"]
 
 
 def start_fork_server() -> None:
