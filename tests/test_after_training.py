@@ -11,6 +11,7 @@ need no Ray run through the CLI.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -138,6 +139,17 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
                     local=True)
     assert pq.read_table("preds2.parquet").column("prediction").to_pylist() == preds.column("prediction").to_pylist()
 
+    # An output named .csv is CSV, with what the Parquet holds: a spreadsheet's reader gets the same rows.
+    proc = command(["predict", result.run_dir, "--input", "new.csv", "--output", "preds.csv", "--checkpoint", "best",
+                    "--local"], elsewhere)
+    assert proc.returncode == 0 and proc.stdout.endswith("150 predictions in preds.csv\n"), proc
+    with open(os.path.join(elsewhere, "preds.csv"), newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == preds.column_names == ["row", "id", "prediction", "probability"]
+    # (probabilities are float32, which CSV writes in as few digits as give the same float32 back)
+    assert [[int(r), int(i), int(p), np.float32(q)] for r, i, p, q in table[1:]] == [
+        [r["row"], r["id"], r["prediction"], np.float32(r["probability"])] for r in preds.to_pylist()]
+
     # A misnamed column: one line, with the closest name, before Ray.
     pv.write_csv(rows.rename_columns([c.replace("tenure_months", "tenure_month") for c in rows.column_names]),
                  "typo.csv")
@@ -145,6 +157,22 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     assert proc.returncode == 2 and proc.seconds < 10, proc
     assert proc.stderr == ("error: --input typo.csv has no column 'tenure_months', which the model was trained on as "
                            "an input (did you mean 'tenure_month'?)\n")
+
+
+def test_a_csv_of_several_targets_predictions_has_a_column_per_target(tmp_path):
+    """CSV has no lists: a multi-target regression's `prediction` lists become prediction_0, _1, ...,
+    across the parts a run's tasks wrote."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    values = np.arange(12, dtype=np.float32).reshape(6, 2) / 4
+    for g, rows in enumerate((range(0, 4), range(4, 6))):
+        pq.write_table(pa.table({"row": pa.array(list(rows)), "prediction": pa.array(list(values[list(rows)]))}),
+                       parts / f"{g:06d}.parquet")
+    assert scoring._join(str(parts), 2, str(tmp_path / "p.csv")) == 6
+    with open(tmp_path / "p.csv", newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == ["row", "prediction_0", "prediction_1"]
+    assert [[float(v) for v in r] for r in table[1:]] == [[i, *values[i]] for i in range(6)]
 
 
 def test_export_every_format_into_one_folder_and_load_each_on_raw_rows(trained):

@@ -54,7 +54,8 @@ def evaluate(run_dir, which, data_set, data_file, workers, address, local, verbo
 @click.option("--input", "input_path", required=True, metavar="FILE", help="Rows to predict: Parquet or CSV (path "
                                                                         "or URI) with the columns the run trained "
                                                                         "on, by name, raw values.")
-@click.option("--output", required=True, metavar="PARQUET", help="Where the predictions go (path or URI).")
+@click.option("--output", required=True, metavar="FILE", help="Where the predictions go (path or URI): CSV for a "
+                                                            "name ending in .csv, else Parquet.")
 @CHECKPOINT
 @click.option("--workers", type=int, help="Parallel tasks (default: the run's workers).")
 @click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per forward pass.")

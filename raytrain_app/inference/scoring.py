@@ -340,18 +340,39 @@ def _model_on(directory: str, job: JobConfig, devices: list):
 
 
 def _join(parts: str, groups: int, output: str) -> int:
-    """The parts, in row-group order, into one Parquet file, one part in memory at a time."""
+    """The parts, in row-group order, into one file, one part in memory at a time: CSV where the
+    output's name ends in .csv (several targets' predictions as `prediction_0`, `prediction_1`, ...:
+    CSV has no lists), else Parquet."""
+    import pyarrow.csv
     import pyarrow.parquet as pq
 
+    as_csv = output.lower().endswith(".csv")
     fs, path = storage.filesystem_for(output)
     parts_fs, parts_path = storage.filesystem_for(parts)
     rows, writer = 0, None
     with fs.open_output_stream(path) as f:
         for g in range(groups):
             table = pq.read_table(posixpath.join(parts_path, f"{g:06d}.parquet"), filesystem=parts_fs)
-            writer = writer or pq.ParquetWriter(f, table.schema)
+            if as_csv:
+                table = _flat(table)
+            writer = writer or (pyarrow.csv.CSVWriter if as_csv else pq.ParquetWriter)(f, table.schema)
             writer.write_table(table)
             rows += table.num_rows
         if writer:
             writer.close()
     return rows
+
+
+def _flat(table):
+    """A list column as one column per element, named by its index."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = {}
+    for name, column in zip(table.column_names, table.columns):
+        if pa.types.is_list(column.type) or pa.types.is_fixed_size_list(column.type):
+            width = len(column[0].as_py()) if len(column) else 0
+            columns.update({f"{name}_{i}": pc.list_element(column, i) for i in range(width)})
+        else:
+            columns[name] = column
+    return pa.table(columns)
