@@ -118,6 +118,11 @@ class Trackers:
 
     def epoch(self, metrics: dict) -> None:
         self._scalars({f"epoch/{k}": v for k, v in metrics.items()}, metrics["step"])
+        self.sync()
+
+    def sync(self) -> None:
+        """Before each checkpoint and after each epoch: the curves are durable as far as any
+        checkpoint a restart resumes from (which purges what came after it)."""
         for w in self.writers:
             w.sync()
 

@@ -33,12 +33,12 @@ def faulty(marker, at, fault, rank=1, **sections):
     return job(model=model, data={"name": "digits"}, **{"train": {"epochs": 2, "batch_size": 32}, **sections})
 
 
-def step_checkpointed(marker, fault, **tracking):
+def step_checkpointed(marker, fault, rank=1, **tracking):
     """Step checkpoints every 5 steps: call 40 is epoch 2's 17th batch, after checkpoints at steps 25,
     30 and 35 (epoch 2, batches 2, 7, 12). Ray registers a reported checkpoint asynchronously, so a
     restart resumes from whichever of them was registered last, always mid-epoch. TensorBoard
     gets a point every step."""
-    return faulty(marker, at=40, fault=fault, checkpoint={"every_steps": 5}, failure={"max_failures": 1},
+    return faulty(marker, at=40, fault=fault, rank=rank, checkpoint={"every_steps": 5}, failure={"max_failures": 1},
                   tracking={"tensorboard": True, "log_every_steps": 1, **tracking})
 
 
@@ -70,20 +70,21 @@ def straight_and_killed(config, tmp_path) -> tuple:
 def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise_from_the_bucket(straight, tmp_path, mlflow_server, s3):
     """On Ray: Ray Train's own restart of the worker group is what is tested (local mode's has its
     test in test_local_mode). The run directory is in the S3-compatible store, so the restart
-    restores from the bucket."""
+    restores from the bucket. The worker killed is rank 0, the trackers' writer: what reached the
+    bucket before its death is all its curves keep."""
     marker = tmp_path / "fault"
     marker.touch()
     run_dir = f"s3://{s3.bucket}/reliability/killed"
     lines = []
-    killed = run_training(make_plan(step_checkpointed(marker, "kill", mlflow={
+    killed = run_training(make_plan(step_checkpointed(marker, "kill", rank=0, mlflow={
         "tracking_uri": mlflow_server, "experiment": "killed"}), run_dir=run_dir), echo=lines.append)
     assert not marker.exists()  # the fault really happened
     # One line of ours for the dead worker, naming the checkpoint in the bucket the group restarts from.
     assert [line for line in lines if re.fullmatch(
-        rf"warning: rank 1 on node \S+ \(pid \d+\): worker process died: .*; restarting from "
+        rf"warning: rank 0 on node \S+ \(pid \d+\): worker process died: .*; restarting from "
         rf"{run_dir}/checkpoint_\S+ \(restart 1 of 1\)", line)], lines
-    log = s3.client().get_object(Bucket=s3.bucket, Key="reliability/killed/logs/rank-1.log")["Body"].read().decode()
-    assert log.count("rank 1/2 on node") == 2  # both attempts, in one log kept in the bucket
+    log = s3.client().get_object(Bucket=s3.bucket, Key="reliability/killed/logs/rank-0.log")["Body"].read().decode()
+    assert log.count("rank 0/2 on node") == 2  # both attempts, in one log kept in the bucket
     step, epoch, batch, _ = resumed_at(log)
     assert epoch == 2 and step in (25, 30, 35) and batch == step - 23
     assert killed.best_checkpoint.startswith(f"{run_dir}/checkpoint_")
@@ -93,8 +94,9 @@ def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise_from_the_bucket(st
         assert torch.equal(final_weights(killed)[name], w), name
     assert killed.metrics[-1]["train_loss"] == pytest.approx(straight.metrics[-1]["train_loss"], rel=1e-12)
 
-    # The trackers show one curve, the uninterrupted run's: TensorBoard purged the failed
-    # attempt's steps past the restored one; the MLflow run (the same one) skipped those it held.
+    # The trackers show one curve, the uninterrupted run's: the killed attempt's points up to its
+    # checkpoint were in the bucket before it, TensorBoard purged those past the restored step,
+    # and the MLflow run (the same one) skipped those it held.
     curve = tensorboard_curve(straight.run_dir)
     assert [step for step, _ in curve] == list(range(1, 47))
     (tmp_path / "tensorboard").mkdir()

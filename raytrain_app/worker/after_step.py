@@ -65,6 +65,7 @@ class AfterStep:
             self.save_at_epoch_end = last_in_epoch  # the epoch's own checkpoint follows at once
         if (notice or every and state.step % every == 0) and not last_in_epoch:
             self.loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
+            self.trackers.sync()  # the curves up to here first: a restart from this checkpoint keeps them
             # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
             c = self.job.checkpoint
             report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,

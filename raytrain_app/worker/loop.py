@@ -206,12 +206,12 @@ def _run(w: Worker) -> None:
             stop = state.early_stopping.update(metrics) if state.early_stopping else None
             save = (state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
                     or after_step.save_at_epoch_end)
+            trackers.epoch(metrics)  # (durable before the epoch's checkpoint, as before a step's)
             report_to_ray(metrics, state, w, about if save else None)
             if after_step.save_at_epoch_end:
                 report.info("notice answered: the checkpoint at step %d is written", state.step)
                 after_step.save_at_epoch_end = False
             report.epoch(metrics)
-            trackers.epoch(metrics)
             if stop:
                 report.stopped_early({"epoch": state.epoch, "reason": stop})
             report.sync()
