@@ -10,6 +10,9 @@
 #                                             # fsdp worker resuming from its DCP checkpoint
 #   bash benchmarks/gpu_check.sh data         # the GPU memory check, evaluate and predict on
 #                                             # CUDA, streaming Parquet against data on the GPU
+#   bash benchmarks/gpu_check.sh local        # local mode and --smoke on the GPU against Ray,
+#                                             # evaluate/predict --local timed, PowerSGD on CUDA
+#                                             # with a SIGKILLed worker, LeNet's compiled step
 #
 # `paths`: NCCL at one worker in bf16 (auto precision), fp16 with GradScaler and clipping,
 # compile reduce-overhead (CUDA graphs) with the data on the device, and 2 NCCL workers sharing
@@ -156,5 +159,45 @@ for row in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")):
 PY
   done
   ;;
-*) echo "usage: gpu_check.sh [paths|throughput|fsdp|data]" >&2; exit 2 ;;
+local)
+  since() { python3 -c "import time; print(f'{time.time() - $1:.1f}')"; }
+  t=$(date +%s.%N); train local-mode --local
+  echo "   command to exit $(since "$t") s"; cat /tmp/runs/local-mode/startup.json
+  t=$(date +%s.%N); train ray-mode --ray
+  echo "   command to exit $(since "$t") s"; cat /tmp/runs/ray-mode/startup.json
+  echo "== train --smoke on the GPU"
+  python3 -m raytrain_app.cli train examples/digits.yaml --smoke --workers 1 --gpus-per-worker 1
+  echo "exit $?"; python3 -m raytrain_app.cli runs | tail -n 3
+  t=$(date +%s.%N); python3 -m raytrain_app.cli evaluate /tmp/runs/local-mode --local
+  echo "== evaluate --local: exit $? in $(since "$t") s (target 6)"
+  t=$(date +%s.%N)
+  python3 -m raytrain_app.cli predict /tmp/runs/local-mode --input raytrain_app/data/digits.parquet --output /tmp/p.csv --local
+  echo "== predict --local to CSV: exit $? in $(since "$t") s, $(wc -l < /tmp/p.csv) lines"
+  marker=/tmp/gpu-check-hook; touch "$marker"
+  for run in powersgd:mlp powersgd-killed:tests.helpers:faulty_mlp; do
+    name=${run%%:*}; model=${run#*:}
+    echo "== $name: 2 workers x 0.5 GPU on Ray (Gloo on CUDA tensors), ddp.comm_hook=powersgd, model $model"
+    args="{hidden: [64], dropout: 0.2}"; [ "$name" = powersgd ] || args="{hidden: [64], marker: $marker, at: 40, rank: 1, fault: kill}"
+    python3 -m raytrain_app.cli train examples/digits.yaml --ray --workers 2 --gpus-per-worker 0.5 \
+      --run-dir "/tmp/runs/$name" --set train.epochs=4 --set ddp.comm_hook=powersgd --set checkpoint.every_steps=10 \
+      --set failure.max_failures=1 --set model.name="$model" --set model.args="$args"
+    echo "exit $?"
+    grep -h "resumed from\|restarting\|comm_hook\|powersgd" "/tmp/runs/$name/logs/"*.log 2>/dev/null | cut -c1-200 | head -4
+    tail -n 1 "/tmp/runs/$name/metrics.jsonl" | cut -c1-300
+  done
+  [ -e "$marker" ] && echo "the fault never fired"
+  python3 - <<'PY'
+import torch
+from raytrain_app import load_model
+a = load_model("/tmp/runs/powersgd").state_dict()
+b = {k.replace(".inner.", "."): v for k, v in load_model("/tmp/runs/powersgd-killed").state_dict().items()}
+diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+print(f"killed vs uninterrupted: {len(a)} tensors, bitwise equal: {all(torch.equal(a[k], b[k]) for k in a)}, "
+      f"largest difference {diff:.3g}")
+PY
+  echo "== step_overhead.py, LeNet bf16 batch 512, compile reduce-overhead (1.100x at the last check)"
+  python3 benchmarks/step_overhead.py --device cuda --model lenet --precision bf16 --batch 512 \
+    --steps 100 --rounds 5 --repeats 5 --compile reduce-overhead --on-device on
+  ;;
+*) echo "usage: gpu_check.sh [paths|throughput|fsdp|data|local]" >&2; exit 2 ;;
 esac
