@@ -15,6 +15,7 @@ Ray Train has started the process group; the mesh is built on top of it.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -58,9 +59,10 @@ def describe_layout(layout: dict) -> str:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    """Without importing FSDP where nothing did: its import (sympy through DTensor) costs about a
+    second, and every evaluation of an unsharded model asks."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def parallelize(model: nn.Module, job: JobConfig, world_size: int, node: str, device: torch.device,
