@@ -20,15 +20,19 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from raytrain_app.driver.local import PRELOAD
+
 _context = multiprocessing.get_context("forkserver")
-_context.set_forkserver_preload(["raytrain_app.cli", "torch"])
+# The command line, and what local mode's worker processes import (they fork from this process's
+# one fork server too, as do `tests.gloo`'s ranks): each then starts with it imported.
+_context.set_forkserver_preload(["raytrain_app.cli", *PRELOAD])
 
 
 def start() -> None:
     """Start the fork server now (conftest does, once): local mode's workers fork from this
-    process's one fork server too, and would otherwise start it with torch alone, leaving every
-    command to import the command line itself. Not at import: a command's own process imports
-    this module too."""
+    process's one fork server too, and would otherwise start it without the command line, leaving
+    every command to import it itself. Not at import: a command's own process imports this module
+    too."""
     multiprocessing.forkserver.ensure_running()
 
 

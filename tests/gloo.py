@@ -9,11 +9,16 @@ from tests.objectstore import free_port
 
 
 def spawn(fn, *args, world_size: int = 2) -> None:
-    mp.spawn(_rank, args=(fn, free_port(), world_size, args), nprocs=world_size, join=True)
+    """The ranks fork from the session's fork server (`tests.commands`), which has torch and the
+    worker's modules imported already: a fresh interpreter per rank would import them again, for
+    seconds of each test. They get this process's environment as it is now, not the server's."""
+    mp.start_processes(_rank, args=(fn, free_port(), world_size, args, dict(os.environ)), nprocs=world_size,
+                       join=True, start_method="forkserver")
 
 
-def _rank(rank: int, fn, port: int, world_size: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, fn, port: int, world_size: int, args: tuple, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, *args)
