@@ -81,24 +81,30 @@ def test_a_killed_worker_process_restarts_the_group_and_resumes_bitwise(tmp_path
 
 def test_a_run_started_in_one_mode_resumes_bitwise_in_the_other(ray_cluster, tmp_path):
     """On Ray because the join is with Ray Train's own index of checkpoints, which each mode keeps
-    for the other: a crash in epoch 2 under one, `--resume` under the other."""
-    straight = trained(faulty(tmp_path / "never", 40, "crash", checkpoint={"every_steps": 5}),
-                       tmp_path / "straight", True)
-    for first, then in ((True, False), (False, True)):
-        marker = tmp_path / f"fault-{first}"
-        marker.touch()
-        config = faulty(marker, 40, "crash", checkpoint={"every_steps": 5})
-        run_dir = tmp_path / f"from-{'local' if first else 'ray'}"
-        with pytest.raises(TrainingFailed, match=r"^rank 1\b.*: RuntimeError: injected crash$"):
-            trained(config, run_dir, first)
-        marker.unlink()
-        resumed = trained(config, run_dir, then, resume=True)
-        # It continued inside epoch 2 from the other mode's checkpoint: not a fresh start, which
-        # would end bitwise the same too.
-        log = (run_dir / "logs" / "rank-0.log").read_text().split("rank 0/2 on node")[-1]
-        at = re.search(r"resumed from \S+/checkpoint_\S+ at step (\d+): epoch 2 from batch (\d+)", log)
-        assert at and int(at[1]) in (25, 30, 35) and int(at[2]) == int(at[1]) - 23, log
-        same_run(straight, resumed)
+    for the other. One run, three attempts: it crashes in epoch 2 under local mode, `--resume`s
+    under Ray and crashes again in epoch 3, then `--resume`s under local mode and finishes."""
+    config = faulty(tmp_path / "fault", 35, "crash", checkpoint={"every_steps": 5},
+                    train={"epochs": 3, "batch_size": 32})
+    straight = trained(config, tmp_path / "straight", True)  # no fault file yet: it never faults
+    run_dir = tmp_path / "run"
+    (tmp_path / "fault").touch()  # each attempt's rank 1 crashes on its 35th training batch
+    with pytest.raises(TrainingFailed, match=r"^rank 1\b.*: RuntimeError: injected crash$"):
+        trained(config, run_dir, True)
+    with pytest.raises(TrainingFailed, match=r"^rank 1\b.*: RuntimeError: injected crash$"):
+        trained(config, run_dir, False, resume=True)
+    (tmp_path / "fault").unlink()
+    resumed = trained(config, run_dir, True, resume=True)
+    # Each resume continued inside an epoch from the other mode's newest checkpoint (23 steps an
+    # epoch; the crashes are at steps 35 and about 60): not a fresh start, which would end bitwise
+    # the same too.
+    logs = (run_dir / "logs" / "rank-0.log").read_text().split("rank 0/2 on node")
+    at = [re.search(r"resumed from \S+/checkpoint_\S+ at step (\d+): epoch (\d+) from batch (\d+)", log)
+          for log in logs[2:]]
+    assert len(at) == 2 and all(at), logs
+    (step_ray, epoch_ray, batch_ray), (step_local, epoch_local, batch_local) = (map(int, a.groups()) for a in at)
+    assert step_ray in (25, 30) and (epoch_ray, batch_ray) == (2, step_ray - 23), logs
+    assert 46 < step_local < step_ray + 35 and (epoch_local, batch_local) == (3, step_local - 46), logs
+    same_run(straight, resumed)
 
 
 def test_ctrl_c_and_sigterm_stop_every_worker_process_and_leave_whole_checkpoints(tmp_path):
