@@ -263,13 +263,14 @@ def test_a_sweep_submitted_to_the_cluster_runs_its_trials_on_both_nodes_and_best
                for name in rows}
     assert [float(row[1]) for row in rows.values()] == pytest.approx(sorted(best_of.values(), reverse=True),
                                                                      abs=5e-5)
-    # best.yaml, trained again (on the same cluster, which `train` joins), scores what its trial did.
+    # best.yaml, trained again here (in local mode, as its trial trained: `train` joining a running
+    # cluster is test_train_reuses_the_running_local_cluster's), scores what its trial did.
     best_name, best_row = next(iter(rows.items()))
     assert best_of[best_name] == max(best_of.values())
     assert f"best: {best_name}, eval_accuracy {float(best_row[1]):.4f}" in proc.stdout
     (tmp_path / "best.yaml").write_text(stored("best.yaml"))
-    again = cli("train", str(tmp_path / "best.yaml"), "--run-dir", str(tmp_path / "again"))
-    assert again.returncode == 0 and f"using the running local cluster '{profile.name}'" in again.stdout, again.stderr
+    again = cli("train", str(tmp_path / "best.yaml"), "--local", "--run-dir", str(tmp_path / "again"))
+    assert again.returncode == 0 and "local mode" in again.stdout.splitlines()[0], again.stdout + again.stderr
     assert re.search(rf"best eval_accuracy +{float(best_row[1]) * 100:.2f}% ", again.stdout), (best_row, again.stdout)
 
 
