@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_app.driver.local import PRELOAD
-
 _context = multiprocessing.get_context("forkserver")
-# The command line, and what local mode's worker processes import (they fork from this process's
-# one fork server too, as do `tests.gloo`'s ranks): each then starts with it imported.
-_context.set_forkserver_preload(["raytrain_app.cli", *PRELOAD])
+# The command line, torch, and the dynamo settings DDP's constructor reads: what every command,
+# local mode's worker processes and `tests.gloo`'s ranks (which fork from this process's one fork
+# server too) would otherwise import each. Not Ray (nor the worker's modules, which import it): a
+# command that starts a cluster must load Ray itself, after its auth settings (cluster/session.py).
+_context.set_forkserver_preload(["raytrain_app.cli", "torch", "torch._dynamo"])
 
 
 def start() -> None:
