@@ -26,8 +26,11 @@ from tests.conftest import REPO, sweep_table
 # 2) make it stop one of the first three trials in every order, so the sweep is still running
 # when it has: checked over all 24 orders with the scores these trials reach.
 LRS = "0.2,0.05,0.03,0.02"
+# Without report.png and TensorBoard, which a trial would draw and write as any run does (tested
+# there), and which take a trial here about as long as an epoch.
+QUIET = ["--set", "tracking.report_png=false", "--set", "tracking.tensorboard=false"]
 SWEEP = ["sweep", "examples/digits.yaml", "--param", f"optimizer.lr=grid:{LRS}", "--samples", "1", "--workers", "1",
-         "--max-concurrent", "1", "--set", "train.epochs=3", "--set", "train.batch_size=64"]
+         "--max-concurrent", "1", "--set", "train.epochs=3", "--set", "train.batch_size=64", *QUIET]
 
 
 def session_processes(leader: int) -> list[psutil.Process]:
@@ -170,11 +173,12 @@ def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_e
     then the same command, its model made to crash: the same seed draws the same settings, and a
     sweep whose every trial failed exits 1."""
     common = ["sweep", "examples/digits.yaml", *PARAMS, "--samples", "2", "--workers", "1", "--max-concurrent", "1",
-              "--scheduler", "fifo", "--metric", "eval_loss", "--set", "train.epochs=1", "--set", "model.name=mlp"]
+              "--scheduler", "fifo", "--metric", "eval_loss", *QUIET, "--set", "train.epochs=1",
+              "--set", "model.name=mlp"]
     # Through the library on the session's cluster; then the same sweep's command (its own cluster).
     said = []
     _, config = job_config(os.path.join(REPO, "examples", "digits.yaml"),
-                           ["scaling.workers=1", "train.epochs=1", "model.name=mlp"])
+                           ["scaling.workers=1", "train.epochs=1", "model.name=mlp", *QUIET[1::2]])
     plan = sweeps.plan_for(config, PARAMS[1::2], 2, "fifo", "eval_loss", None, 1)
     sweeps.run(plan, str(tmp_path / "ran"), echo=said.append)
     ran = "\n".join(said)
