@@ -20,6 +20,7 @@ from raytrain_app.driver.plan import make_plan
 from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import TrainingFailed, UserError
 from raytrain_app.worker import checkpoint
+from tests.commands import command as run_command
 from tests.conftest import REPO, running
 from tests.helpers import write_parquet
 from tests.test_distributed import final_weights, job
@@ -202,9 +203,7 @@ def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_pat
                               "Tune, on Ray"),
                              (["submit", "--cluster", write_profile(tmp_path / "p.yaml"), "--dry-run"],
                               "a submitted job trains on the cluster's Ray")):
-        proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", command[0], "examples/digits.yaml",
-                               *command[1:], "--set", "scaling.local=true"], cwd=REPO, capture_output=True, text=True,
-                              timeout=60)
+        proc = run_command([command[0], "examples/digits.yaml", *command[1:], "--set", "scaling.local=true"], REPO)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: scaling.local: true: {message}; drop ") \
             and len(proc.stderr.splitlines()) == 1, proc.stderr
 
@@ -224,9 +223,7 @@ def test_smoke_runs_every_path_of_one_short_epoch_and_runs_shows_it(tmp_path):
     report.png, no tracker; `runs` marks it. `submit --smoke` runs it first, and a smoke run
     that fails sends nothing."""
     digits = f"{REPO}/examples/digits.yaml"
-    proc = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "train", digits, "--smoke",
-                           "--set", "train.eval_batch_size=64"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_command(["train", digits, "--smoke", "--set", "train.eval_batch_size=64"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     [run_dir] = (tmp_path / "runs").iterdir()
     assert run_dir.name.startswith("digits-smoke-")
@@ -236,19 +233,16 @@ def test_smoke_runs_every_path_of_one_short_epoch_and_runs_shows_it(tmp_path):
     index = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     assert [r["metrics"]["step"] for r in index["checkpoint_results"]] == [2, 3]  # mid-epoch at step 2, then the end
     assert (run_dir / "report.png").exists() and not (run_dir / "tensorboard").exists()
-    listed = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "runs"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
+    listed = run_command(["runs"], tmp_path)
     assert re.search(rf"^{run_dir.name} .* finished \(smoke\)$", listed.stdout, re.M), listed.stdout
 
     profile = write_profile(tmp_path / "p.yaml")
-    sent = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", digits, "--cluster", profile,
-                           "--smoke", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    sent = run_command(["submit", digits, "--cluster", profile, "--smoke", "--dry-run"], tmp_path, timeout=120)
     assert sent.returncode == 0, sent.stderr
     tried = re.search(r"^smoke run passed \((\S+)\): submitting$", sent.stdout, re.M)
     assert tried and not tried[1].startswith(str(tmp_path))  # not into the working_dir the job ships
     assert json.loads(open(f"{tried[1]}/metrics.jsonl").readline())["step"] == 3
     assert "train - --address auto" in sent.stdout  # then the plan, as --dry-run shows it
-    broken = subprocess.run([sys.executable, "-m", "raytrain_app.cli", "submit", digits, "--cluster", profile,
-                             "--smoke", "--dry-run", "--set", "train.batch_size=100000"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    broken = run_command(["submit", digits, "--cluster", profile, "--smoke", "--dry-run",
+                          "--set", "train.batch_size=100000"], tmp_path, timeout=120)
     assert broken.returncode != 0 and "smoke run passed" not in broken.stdout and "entrypoint" not in broken.stdout
