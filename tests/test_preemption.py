@@ -53,7 +53,7 @@ def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_wh
     errors = tmp_path / "stderr"  # a file, which no full pipe can stall the run on
     proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
                              "--run-dir", str(run_dir), "--set", "train.epochs=200", "--set", "model.name=mlp",
-                             "--set", "checkpoint.every_epochs=100", "--set", "failure.placement_timeout_s=16"],
+                             "--set", "checkpoint.every_epochs=100", "--set", "failure.placement_timeout_s=8"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
                             start_new_session=True)
     try:
@@ -72,8 +72,8 @@ def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, erro
     said.append(out)
     err = errors.read_text()
     assert proc.returncode == 1, "".join(said) + err
-    assert time.monotonic() - stopped < 16 + 20  # the placement timeout, and the restart's own start
-    assert re.fullmatch(r"training failed: the cluster could not place 2 workers within 16s "
+    assert time.monotonic() - stopped < 8 + 20  # the placement timeout, and the restart's own start
+    assert re.fullmatch(r"training failed: the cluster could not place 2 workers within 8s "
                         r"\(failure\.placement_timeout_s\): it holds 1 now \(1 nodes: 0 GPUs/1 CPUs\); "
                         rf"`--resume --run-dir {run_dir}` continues from its latest checkpoint "
                         r"\(with --workers 1 it fits now\)\n", err.split("error: ")[-1]), err
