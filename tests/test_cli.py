@@ -140,13 +140,13 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_clust
     assert all(0.1 <= p <= 1 for p in preds.column("probability").to_pylist())
 
     # In local mode, through the commands: no cluster, the same numbers, the same predictions.
-    local = cli("evaluate", str(run_dir), "--checkpoint", "latest", "--local")
+    local = forked("evaluate", str(run_dir), "--checkpoint", "latest", "--local")
     assert local.returncode == 0 and local.stdout.startswith("evaluating checkpoint_") and \
         ": 1 worker, local mode\n" in local.stdout, local.stderr
     assert json.loads(written.read_text())["metrics"] == metrics  # rewritten, the same
     assert re.search(rf"^eval_accuracy +{metrics['eval_accuracy']:.6g}$", local.stdout, re.M)
-    local = cli("predict", str(run_dir), "--checkpoint", "latest", "--local", "--input", str(tmp_path / "new.parquet"),
-                "--output", str(tmp_path / "local.parquet"))
+    local = forked("predict", str(run_dir), "--checkpoint", "latest", "--local", "--input",
+                   str(tmp_path / "new.parquet"), "--output", str(tmp_path / "local.parquet"))
     assert local.returncode == 0 and f"{len(y_eval)} predictions in" in local.stdout, local.stderr
     assert pq.read_table(tmp_path / "local.parquet").equals(preds)
     refused = forked("evaluate", str(run_dir), "--local", "--workers", "2")
@@ -185,8 +185,8 @@ def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
     run_dir, _ = digits_run
     proc = forked("train", "examples/digits.yaml", "--run-dir", str(run_dir))
     assert proc.returncode == 2 and "pass --resume" in proc.stderr
-    proc = cli("train", "examples/digits.yaml", "--run-dir", str(run_dir), "--resume", "--set", "train.epochs=13",
-               *KEEP_WORST)
+    proc = forked("train", "examples/digits.yaml", "--run-dir", str(run_dir), "--resume", "--set", "train.epochs=13",
+                  *KEEP_WORST)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^resumed from \S+ at step \d+: epoch 13 from batch 0$", proc.stdout, re.MULTILINE), proc.stdout
     assert [line.split("|")[0].strip() for line in proc.stdout.splitlines() if line.startswith("epoch ")] == [
@@ -198,9 +198,9 @@ def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
 def test_a_worker_killed_beyond_max_failures_exits_1_naming_the_rank_its_node_and_the_cause(tmp_path):
     marker = tmp_path / "kill"
     marker.touch()
-    proc = cli("train", "examples/digits.yaml", "--run-dir", str(tmp_path / "run"), "--set", "train.epochs=1",
-               "--set", "model.name=tests.helpers:faulty_mlp",
-               "--set", f"model.args={{marker: '{marker}', at: 3, rank: 1, fault: kill}}")
+    proc = forked("train", "examples/digits.yaml", "--run-dir", str(tmp_path / "run"), "--set", "train.epochs=1",
+                  "--set", "model.name=tests.helpers:faulty_mlp",
+                  "--set", f"model.args={{marker: '{marker}', at: 3, rank: 1, fault: kill}}")
     assert proc.returncode == 1, proc.stderr
     assert re.fullmatch(r"training failed: rank 1 on node \S+ \(pid \d+\): worker process died: killed by SIGKILL\n",
                         proc.stderr)
