@@ -102,8 +102,8 @@ class Fault(nn.Module):
     def forward(self, x):
         if self.training and x.shape[0] > 1:
             self.calls += 1
-            mine = self.rank < 0 or ray.train.get_context().get_world_rank() == self.rank
-            if mine and self.calls == self.at and os.path.exists(self.marker):
+            if self.calls == self.at and os.path.exists(self.marker) and (
+                    self.rank < 0 or ray.train.get_context().get_world_rank() == self.rank):  # (not the driver's trial)
                 if self.fault == "crash":
                     raise RuntimeError("injected crash")
                 os.unlink(self.marker)  # once: the restarted worker must not fault again
@@ -211,27 +211,35 @@ def save_checkpoint(directory, job: JobConfig, epoch: int = 1, seed: int = 0, ba
 
 
 class LabelRecorder(nn.Module):
-    """A linear model that carries where `record_labels` writes what it trains on."""
+    """A linear model that carries where `record_labels` writes what it trains on: OUT_DIR/rank-R.txt,
+    or with `per_process` OUT_DIR/rank-R-PID.txt (a restarted rank writes a file of its own)."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, per_process: bool = False):
         super().__init__()
-        self.out_dir = out_dir
+        self.out_dir, self.per_process = out_dir, per_process
         self.linear = nn.Linear(2, 1)
 
     def forward(self, x):
         return self.linear(x)
 
 
-def label_recorder(out_dir: str) -> nn.Module:
-    return LabelRecorder(out_dir)
+def label_recorder(out_dir: str, per_process: bool = False) -> nn.Module:
+    return LabelRecorder(out_dir, per_process)
+
+
+def faulty_label_recorder(out_dir: str, marker: str, at: int, rank: int = 1) -> nn.Module:
+    """A per-process LabelRecorder whose rank `rank` is SIGKILLed on its training call `at` (see Fault)."""
+    return Fault(LabelRecorder(out_dir, per_process=True), marker, at, rank, "kill")
 
 
 def record_labels(model, batch):
     """A custom step over rows numbered by their label: each training batch's labels, as the rank
-    received them, go to OUT_DIR/rank-R.txt, one line a batch."""
+    received them, go to the LabelRecorder's file, one line a batch."""
     x, y = batch
     if model.training and torch.is_grad_enabled():  # a training step (not evaluation, nor the driver's trial)
         inner = getattr(model, "module", model)
-        with open(os.path.join(inner.out_dir, f"rank-{ray.train.get_context().get_world_rank()}.txt"), "a") as f:
+        inner = getattr(inner, "inner", inner)  # under a Fault
+        name = f"rank-{ray.train.get_context().get_world_rank()}{f'-{os.getpid()}' if inner.per_process else ''}"
+        with open(os.path.join(inner.out_dir, f"{name}.txt"), "a") as f:
             f.write(" ".join(str(int(v)) for v in y) + "\n")
     return (model(x).squeeze(1) - y * 0).pow(2).mean()

@@ -2,11 +2,9 @@
 session's Ray cluster. Its two limits are part of what is tested: no fixed order (so the shards are
 checked as sets), and resume at epoch boundaries only (a killed worker restarts its epoch)."""
 
-import pyarrow.parquet as pq
 import pytest
 
 from raytrain_app.config import JobConfig
-from raytrain_app.data.parquet import DIGITS_FILE
 from raytrain_app.errors import ConfigError
 from tests.test_distributed import job, run
 from tests.test_reliability import resumed_at
@@ -15,29 +13,42 @@ from tests.test_stream import ROWS, write_numbered
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def test_in_a_real_run_every_rank_trains_on_as_many_disjoint_rows_each_epoch(tmp_path):
+def test_every_rank_trains_on_as_many_disjoint_rows_each_epoch_and_a_killed_worker_restarts_its_epoch(tmp_path):
     """Rows numbered by their label, trained under Ray Train with Ray Data as the reader: a custom
-    step records the labels of every batch each rank trains on. Ray Train splits the data with
-    `streaming_split(world_size, equal=True)`: each epoch, the ranks' rows are disjoint, as many
-    on each, and all but a few (fewer than a batch a rank) of the rows."""
-    train = write_numbered(tmp_path / "train")
-    (tmp_path / "seen").mkdir()
-    config = job(model={"name": "tests.helpers:label_recorder", "args": {"out_dir": str(tmp_path / "seen")}},
-                 task={"name": "tests.helpers:record_labels"}, checkpoint={"every_epochs": 1, "mode": "min"},
+    step records the labels of every batch each rank's process trains on. Ray Train splits the
+    data with `streaming_split(world_size, equal=True)`: each epoch, the ranks' rows are disjoint,
+    as many on each, and all but a few (fewer than a batch a rank) of the rows. Rank 1 is
+    SIGKILLed in epoch 2: Ray Data resumes at epoch boundaries only, so the restarted group
+    trains epoch 2 again, whole, from epoch 1's checkpoint."""
+    train, seen, marker = write_numbered(tmp_path / "train"), tmp_path / "seen", tmp_path / "fault"
+    seen.mkdir()
+    marker.touch()
+    per_epoch = ROWS // 2 // 16
+    model = {"name": "tests.helpers:faulty_label_recorder",
+             "args": {"out_dir": str(seen), "marker": str(marker), "at": per_epoch + 5, "rank": 1}}
+    config = job(model=model, task={"name": "tests.helpers:record_labels"},
+                 checkpoint={"every_epochs": 1, "mode": "min"}, failure={"max_failures": 1},
                  data={"name": "parquet", "engine": "ray_data",
                        "args": {"path": str(train), "eval_path": str(train / "part-2.parquet"),
                                 "features": ["x", "one"], "buffer_rows": 100}},
                  train={"epochs": 2, "batch_size": 16})
     result = run(config, tmp_path / "run", local=False)
+    assert not marker.exists()  # the fault really happened
+    log = (tmp_path / "run" / "logs" / "rank-1.log").read_text()
+    assert "data from Ray Data" in log
+    assert resumed_at(log)[:3] == (per_epoch, 2, 0)  # the epoch boundary, never inside the epoch
     assert [row["epoch"] for row in result.metrics] == [1, 2]
-    per_epoch = ROWS // 2 // 16
-    batches = {rank: [[int(v) for v in line.split()] for line in (tmp_path / "seen" / f"rank-{rank}.txt").open()]
-               for rank in (0, 1)}
-    assert [len(b) for b in batches.values()] == [2 * per_epoch] * 2 and all(len(x) == 16 for b in batches.values()
-                                                                            for x in b)
-    for epoch in (0, 1):
-        rows = [[r for batch in batches[rank][epoch * per_epoch:(epoch + 1) * per_epoch] for r in batch]
-                for rank in (0, 1)]
+    assert [row["step"] for row in result.metrics] == [per_epoch, 2 * per_epoch]
+
+    # Each rank's two processes: the first trained epoch 1 and part of epoch 2, the restarted one epoch 2.
+    files = {rank: sorted(seen.glob(f"rank-{rank}-*.txt"), key=lambda p: p.stat().st_mtime) for rank in (0, 1)}
+    assert [len(f) for f in files.values()] == [2, 2], files
+    batches = {rank: [[[int(v) for v in line.split()] for line in path.open()] for path in paths]
+               for rank, paths in files.items()}
+    assert all(len(batches[rank][0]) > per_epoch and len(batches[rank][1]) == per_epoch for rank in (0, 1))
+    assert all(len(x) == 16 for rank in (0, 1) for attempt in batches[rank] for x in attempt)
+    for epoch in ([batches[rank][0][:per_epoch] for rank in (0, 1)], [batches[rank][1] for rank in (0, 1)]):
+        rows = [[r for batch in epoch[rank] for r in batch] for rank in (0, 1)]
         assert not set(rows[0]) & set(rows[1])  # disjoint
         assert len(set(rows[0])) == len(rows[0]) == len(rows[1]) == per_epoch * 16  # as many, none twice
         assert set(rows[0]) | set(rows[1]) <= set(range(ROWS))
@@ -55,28 +66,3 @@ def test_its_limits_are_refused_in_one_line_each():
         with pytest.raises(ConfigError) as raised:
             JobConfig.from_dict({**base, **change})
         assert [line for line in raised.value.lines if message in line], raised.value.lines
-
-
-def test_a_killed_worker_restarts_its_epoch_from_the_epoch_checkpoint(tmp_path):
-    """Digits in three training files and an eval file: 1500 rows / 2 ranks / 32 = 23 batches an
-    epoch, so rank 1's 30th call is inside epoch 2 and the run restarts from epoch 1's checkpoint."""
-    table = pq.read_table(DIGITS_FILE)
-    for i in range(3):
-        (tmp_path / "train").mkdir(exist_ok=True)
-        pq.write_table(table.slice(500 * i, 500), tmp_path / "train" / f"part-{i}.parquet")
-    pq.write_table(table.slice(1500), tmp_path / "eval.parquet")
-    marker = tmp_path / "fault"
-    marker.touch()
-    model = {"name": "tests.helpers:faulty_mlp", "args": {"marker": str(marker), "at": 30, "rank": 1, "fault": "kill"}}
-    result = run(job(model=model, data={"name": "parquet", "engine": "ray_data",
-                                        "args": {"path": str(tmp_path / "train"),
-                                                 "eval_path": str(tmp_path / "eval.parquet"), "buffer_rows": 256}},
-                     train={"epochs": 2, "batch_size": 32}, failure={"max_failures": 1}), tmp_path / "run", local=False)
-    assert not marker.exists()  # the fault really happened
-    log = (tmp_path / "run" / "logs" / "rank-1.log").read_text()
-    assert "data from Ray Data" in log
-    step, epoch, batch, _ = resumed_at(log)
-    assert (step, epoch, batch) == (23, 2, 0)  # the epoch boundary, never inside the epoch
-    assert [row["epoch"] for row in result.metrics] == [1, 2]
-    assert [row["step"] for row in result.metrics] == [23, 46]
-    assert result.metrics[-1]["eval_accuracy"] > 0.8
