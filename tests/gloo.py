@@ -9,9 +9,9 @@ from tests.objectstore import free_port
 
 
 def spawn(fn, *args, world_size: int = 2) -> None:
-    """The ranks fork from the session's fork server (`tests.commands`), which has torch and the
-    worker's modules imported already: a fresh interpreter per rank would import them again, for
-    seconds of each test. They get this process's environment as it is now, not the server's."""
+    """The ranks fork from the session's fork server (`tests.commands`), which has torch imported
+    already: a fresh interpreter per rank would import it again, for seconds of each test. They
+    get this process's environment as it is now, not the server's."""
     mp.start_processes(_rank, args=(fn, free_port(), world_size, args, dict(os.environ)), nprocs=world_size,
                        join=True, start_method="forkserver")
 

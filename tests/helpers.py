@@ -211,25 +211,21 @@ def save_checkpoint(directory, job: JobConfig, epoch: int = 1, seed: int = 0, ba
 
 
 class LabelRecorder(nn.Module):
-    """A linear model that carries where `record_labels` writes what it trains on: OUT_DIR/rank-R.txt,
-    or with `per_process` OUT_DIR/rank-R-PID.txt (a restarted rank writes a file of its own)."""
+    """A linear model that carries where `record_labels` writes what it trains on:
+    OUT_DIR/rank-R-PID.txt (a restarted rank writes a file of its own)."""
 
-    def __init__(self, out_dir: str, per_process: bool = False):
+    def __init__(self, out_dir: str):
         super().__init__()
-        self.out_dir, self.per_process = out_dir, per_process
+        self.out_dir = out_dir
         self.linear = nn.Linear(2, 1)
 
     def forward(self, x):
         return self.linear(x)
 
 
-def label_recorder(out_dir: str, per_process: bool = False) -> nn.Module:
-    return LabelRecorder(out_dir, per_process)
-
-
 def faulty_label_recorder(out_dir: str, marker: str, at: int, rank: int = 1) -> nn.Module:
-    """A per-process LabelRecorder whose rank `rank` is SIGKILLed on its training call `at` (see Fault)."""
-    return Fault(LabelRecorder(out_dir, per_process=True), marker, at, rank, "kill")
+    """A LabelRecorder whose rank `rank` is SIGKILLed on its training call `at` (see Fault)."""
+    return Fault(LabelRecorder(out_dir), marker, at, rank, "kill")
 
 
 def record_labels(model, batch):
@@ -239,7 +235,7 @@ def record_labels(model, batch):
     if model.training and torch.is_grad_enabled():  # a training step (not evaluation, nor the driver's trial)
         inner = getattr(model, "module", model)
         inner = getattr(inner, "inner", inner)  # under a Fault
-        name = f"rank-{ray.train.get_context().get_world_rank()}{f'-{os.getpid()}' if inner.per_process else ''}"
-        with open(os.path.join(inner.out_dir, f"{name}.txt"), "a") as f:
+        name = f"rank-{ray.train.get_context().get_world_rank()}-{os.getpid()}.txt"
+        with open(os.path.join(inner.out_dir, name), "a") as f:
             f.write(" ".join(str(int(v)) for v in y) + "\n")
     return (model(x).squeeze(1) - y * 0).pow(2).mean()
