@@ -5,8 +5,6 @@ command). A SIGKILLed worker restarting from the bucket is in test_reliability."
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import boto3
@@ -15,15 +13,11 @@ import pytest
 from raytrain_app.config import load_config
 from raytrain_app.driver.plan import make_plan
 from raytrain_app.driver.trainer import run_training
+from tests.commands import command
 from tests.conftest import REPO, short_temp_dir
 
 PREFIX = "runs"
 STEPS_PER_EPOCH = 23  # 1438 digits / 2 ranks / 32
-
-
-def cli(*args, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "raytrain_app.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **env})
 
 
 def overrides(marker, epochs: int) -> list[str]:
@@ -121,8 +115,8 @@ def test_storage_that_refuses_us_is_one_line_before_ray_starts(s3, case, message
     bucket = "no-such-bucket" if case == "missing bucket" else s3.bucket
     ray_tmp = short_temp_dir()
     start = time.monotonic()
-    proc = cli("train", "examples/digits.yaml", "--run-dir", f"s3://{bucket}/runs/x",
-               env={**env, "RAY_TMPDIR": ray_tmp}, timeout=60)
+    proc = command(["train", "examples/digits.yaml", "--run-dir", f"s3://{bucket}/runs/x"], REPO,
+                   {**os.environ, **env, "RAY_TMPDIR": ray_tmp}, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert ("(check the credentials: AWS_ACCESS_KEY_ID" in proc.stderr) == (case != "missing bucket")
