@@ -3,6 +3,7 @@
 They run inside real Ray Train workers, so what they record goes to files the test reads back.
 """
 
+import math
 import os
 import signal
 import time
@@ -81,6 +82,25 @@ class Recorder(nn.Module):
 
 def recorder(out_dir: str, per_process: bool = False, hold: Optional[str] = None, hold_s: float = 0.02) -> nn.Module:
     return Recorder(out_dir, per_process, hold, hold_s)
+
+
+class Paced(nn.Module):
+    """A linear classifier whose every training batch sleeps `seconds` first: a long job that holds
+    its workers, as a real one does, without taking the CPUs that the test watching it needs."""
+
+    def __init__(self, input_shape: tuple, num_classes: int, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(math.prod(input_shape), num_classes)
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.seconds)
+        return self.linear(x.flatten(1))
+
+
+def paced(input_shape: tuple, num_classes: int, seconds: float = 0.2) -> nn.Module:
+    return Paced(input_shape, num_classes, seconds)
 
 
 def faulty_recorder(input_shape: tuple, num_classes: int, out_dir: str, marker: str, at: int, rank: int = 1):

@@ -54,7 +54,8 @@ def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_wh
     env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
     errors = tmp_path / "stderr"  # a file, which no full pipe can stall the run on
     proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
-                             "--run-dir", str(run_dir), "--set", "train.epochs=200", "--set", "model.name=mlp",
+                             "--run-dir", str(run_dir), "--set", "train.epochs=200",
+                             "--set", "model={name: 'tests.helpers:paced'}",
                              "--set", "checkpoint.every_epochs=100", "--set", "failure.placement_timeout_s=8"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
                             start_new_session=True)

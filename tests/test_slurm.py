@@ -66,9 +66,10 @@ def ray_processes_of(job_id: str) -> list[psutil.Process]:
 
 def test_two_jobs_share_a_node_and_status_logs_stop_and_list_show_slurms_view(slurm, profile):
     """A long training job and a short sweep run at once on the one node (1 CPU each), each with its
-    own Ray (ports, temp dir, token); the sweep's trial trains to the end, the long job is stopped."""
+    own Ray (ports, temp dir, token); the sweep's trial trains to the end, the long job is stopped.
+    The long job's model sleeps through most of each step, leaving the CPUs to the rest."""
     long = cli(slurm, "submit", "examples/digits.yaml", "--cluster", profile, "--name", "long", "--no-wait",
-               "--set", "train.epochs=100000")
+               "--set", "train.epochs=100000", "--set", "model={name: 'tests.helpers:paced'}")
     assert long.returncode == 0, long.stderr
     long_id = submitted_id(long.stdout)
     long_run = re.search(r"run directory (\S+)", long.stdout).group(1)
