@@ -18,6 +18,7 @@ import yaml
 
 from raytrain_app.api import job_config
 from raytrain_app.driver import sweep as sweeps
+from raytrain_app.driver import sweep_plan
 from tests.commands import command
 from tests.conftest import REPO, sweep_table
 
@@ -79,7 +80,7 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
 
     # The resume through the library, on the session's cluster (a sweep's own is tested above).
     said = []
-    outcome = sweeps.run(sweeps.Sweep.load(str(sweep_dir)), str(sweep_dir), resume=True, echo=said.append)
+    outcome = sweeps.run(sweep_plan.Sweep.load(str(sweep_dir)), str(sweep_dir), resume=True, echo=said.append)
     resumed = "\n".join(said)
     assert not outcome.interrupted and outcome.best_file, resumed
     # Sent to a cluster, whose job runs in its own working_dir, a relative SWEEP_DIR goes absolute.
@@ -148,7 +149,7 @@ def test_a_sweep_it_cannot_run_is_one_line_before_ray_starts(tmp_path, args, mes
 
 def test_max_concurrent_defaults_to_the_trials_the_cluster_holds():
     from raytrain_app.config import JobConfig
-    from raytrain_app.driver.sweep import trials_that_fit
+    from raytrain_app.driver.sweep_plan import trials_that_fit
 
     cpu = JobConfig.from_dict({"scaling": {"workers": 2, "cpus_per_worker": 2}})
     assert trials_that_fit(cpu, cpus=15, gpus=0) == 3  # 4 CPUs each: a trial's function takes none
@@ -179,7 +180,7 @@ def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_e
     said = []
     _, config = job_config(os.path.join(REPO, "examples", "digits.yaml"),
                            ["scaling.workers=1", "train.epochs=1", "model.name=mlp", *QUIET[1::2]])
-    plan = sweeps.plan_for(config, PARAMS[1::2], 2, "fifo", "eval_loss", None, 1)
+    plan = sweep_plan.plan_for(config, PARAMS[1::2], 2, "fifo", "eval_loss", None, 1)
     sweeps.run(plan, str(tmp_path / "ran"), echo=said.append)
     ran = "\n".join(said)
     rows = table_of(ran)
@@ -212,3 +213,16 @@ def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_e
     assert {name: row[:4] for name, row in again.items()} == {name: row[:4] for name, row in rows.items()}
     assert all(row[-1].startswith("failed") for row in again.values())
     assert failed.stderr.startswith("training failed: every trial failed; trial-") and "injected crash" in failed.stderr
+
+
+def test_planning_a_sweep_imports_no_tune():
+    """A sweep it cannot run is one line before Tune is even imported, and one sent to a cluster
+    runs Tune there only: planning, with the job's checks, imports no Ray at all."""
+    code = ("import sys\n"
+            "from raytrain_app.api import job_config\n"
+            "from raytrain_app.driver.sweep_plan import plan_for\n"
+            "_, config = job_config('examples/digits.yaml', [])\n"
+            "plan_for(config, ['optimizer.lr=loguniform:1e-3:1e-1'], 2, 'asha', None, None, None)\n"
+            "print(sorted(name for name in sys.modules if name == 'ray' or name.startswith('ray.')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "[]\n", proc.stdout + proc.stderr

@@ -126,7 +126,7 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
     """
     from raytrain_app.api import job_config
     from raytrain_app.config import flag_overrides
-    from raytrain_app.driver import sweep as sweeps
+    from raytrain_app.driver import sweep_plan
 
     with exit_codes():
         if bool(config_file) == bool(resume_dir):
@@ -140,19 +140,21 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
                 raise UserError(f"{flag} is for a sweep submitted with --cluster PROFILE")
         profile = profile_at(profile_file) if profile_file else None
         if resume_dir:
-            plan, directory = sweeps.Sweep.load(resume_dir), resume_dir
+            plan, directory = sweep_plan.Sweep.load(resume_dir), resume_dir
         else:
             _, config = job_config(config_file, [*overrides, *flag_overrides(workers=workers)])
-            plan = sweeps.plan_for(config, params, samples, scheduler, metric, mode, max_concurrent, profile,
+            plan = sweep_plan.plan_for(config, params, samples, scheduler, metric, mode, max_concurrent, profile,
                                    check=not skip_checks)
-            directory = sweep_dir or (None if profile else sweeps.new_sweep_dir(config.name))
+            directory = sweep_dir or (None if profile else sweep_plan.new_sweep_dir(config.name))
         if profile:
             engine = engine_of(profile)
             if not dry_run:
                 engine.check_ready()
-            send(engine, sweeps.submission(plan, profile, directory, nodes, bool(resume_dir)), follow, dry_run)
+            send(engine, sweep_plan.submission(plan, profile, directory, nodes, bool(resume_dir)), follow, dry_run)
             return
-        outcome = sweeps.run(plan, directory, bool(resume_dir), address, verbose, click.echo, min_nodes, node_timeout)
+        from raytrain_app.driver.sweep import run
+
+        outcome = run(plan, directory, bool(resume_dir), address, verbose, click.echo, min_nodes, node_timeout)
         if outcome.interrupted:
             click.echo(f"interrupted: `raytrain-app sweep --resume {directory}` continues", err=True)
             sys.exit(130)

@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ray import tune
-
 from raytrain_app.config.files import loads
 from raytrain_app.errors import UserError
 
@@ -51,6 +49,10 @@ class Param:
         return cls(key.strip(), kind, (low, high))
 
     def space(self):
+        """Tune's search space: imported here, as only the sweep's run needs Tune (its planning
+        does not)."""
+        from ray import tune
+
         if self.kind in LISTED:
             return (tune.choice if self.kind == "choice" else tune.grid_search)(list(self.values))
         return getattr(tune, self.kind)(*self.values)
