@@ -144,7 +144,7 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
         else:
             _, config = job_config(config_file, [*overrides, *flag_overrides(workers=workers)])
             plan = sweep_plan.plan_for(config, params, samples, scheduler, metric, mode, max_concurrent, profile,
-                                   check=not skip_checks)
+                                       check=not skip_checks)
             directory = sweep_dir or (None if profile else sweep_plan.new_sweep_dir(config.name))
         if profile:
             engine = engine_of(profile)
