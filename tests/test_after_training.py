@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -157,6 +158,45 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     assert proc.returncode == 2 and proc.seconds < 10, proc
     assert proc.stderr == ("error: --input typo.csv has no column 'tenure_months', which the model was trained on as "
                            "an input (did you mean 'tenure_month'?)\n")
+
+
+PROJECT_MODEL = """
+from torch import nn
+
+
+def build(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], num_classes))
+"""
+
+
+def test_a_model_from_the_projects_own_module_is_one_line_where_that_module_is_not(tmp_path):
+    """A run names its model by import path. From a directory where that module cannot be
+    found, `evaluate` and `predict` say so in one line before a cluster or a worker starts
+    (they started Ray first, and failed 20 s later); from the project folder they score the run."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "rtafter_models.py").write_text(PROJECT_MODEL)
+    pq.write_table(customers(200, 0), project / "train.parquet")
+    pq.write_table(customers(20, 1).drop(["plan"]), project / "new.parquet")
+    (project / "job.yaml").write_text(json.dumps({
+        "name": "own", "model": {"name": "rtafter_models:build"},
+        "data": {"name": "parquet", "args": {"path": "train.parquet", "features": FEATURES, "label": "plan"}},
+        "train": {"epochs": 1}, "scaling": {"workers": 1}}))
+    trained = command(["train", "job.yaml", "--local", "--run-dir", "run"], project)
+    assert trained.returncode == 0, trained.stderr
+    run_dir = str(project / "run")
+
+    missing = ("error: model.name: cannot import 'rtafter_models': ModuleNotFoundError: No module named "
+               "'rtafter_models'\n")
+    for args in (["evaluate", run_dir], ["predict", run_dir, "--input", str(project / "new.parquet"), "--output",
+                                         "p.csv"]):
+        proc = command(args, elsewhere)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", missing), proc
+    assert not os.path.exists(elsewhere / "p.csv")
+
+    proc = command(["evaluate", "run", "--local"], project)
+    assert proc.returncode == 0 and re.search(r"^eval_accuracy +0\.\d+$", proc.stdout, re.M), proc
 
 
 def test_a_csv_of_several_targets_predictions_has_a_column_per_target(tmp_path):

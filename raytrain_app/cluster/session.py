@@ -168,6 +168,7 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
         log_to_driver=verbose,
         logging_level=logging.INFO,  # into the handler route_ray_logs installed: a file unless verbose
     )
+    python_answers_sigterm()
     if not verbose:
         route_raylet_errors(logging.getLogger("ray").warning)
     session_logs = session_logs_dir()
@@ -182,6 +183,16 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
         _watch = None
         ray.shutdown()
         copy_logs(session_logs, log_dir, lambda line: echo(f"warning: {line}"))
+
+
+def python_answers_sigterm() -> None:
+    """Joining Ray installs its failure signal handler (Abseil's) over Python's: on a SIGTERM, a
+    scheduler's stop, it printed a stack dump of this process ("*** SIGTERM received ... PC: @")
+    before the command's one line. Python's handler, set again, answers it alone; the cluster's
+    own processes keep Ray's, which leaves a crashed worker's stack in its log."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def copy_logs(session_logs: str, log_dir: Optional[str], warn: Callable[[str], None] = print) -> None:
@@ -329,6 +340,7 @@ def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False
         ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
         raise UserError(f"cannot join the Ray cluster at {address}: {last_line(e)}") from None
+    python_answers_sigterm()
     if not verbose:
         route_raylet_errors(logging.getLogger("ray").warning)
     try:

@@ -9,6 +9,7 @@ all reported at once) and calls it; the driver does it before Ray starts, each w
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import typing
 from typing import Any, Callable
@@ -34,11 +35,31 @@ def resolve(name: str | Callable, builtins: dict[str, Callable], key: str) -> Ca
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # a user module may fail to import in any way
-        raise ConfigError(f"{key}: cannot import '{module_name}': {type(e).__name__}: {e}") from None
+        raise _cannot_import(key, module_name, e) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{key}: '{module_name}' has no callable '{attr}'")
     return fn
+
+
+def check_findable(name: str | Callable | None, key: str) -> None:
+    """Where a user's builder lives in a module that this process cannot find, the error that
+    `resolve` would give, without importing the module (and torch with it): for commands whose
+    workers import it, so that a missing module is one line before a cluster and its workers
+    start, not after."""
+    if not isinstance(name, str) or ":" not in name:
+        return
+    module_name = name.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module_name)
+    except Exception as e:  # noqa: BLE001 - a parent package that is missing, or fails to import
+        raise _cannot_import(key, module_name, e) from None
+    if found is None:
+        raise _cannot_import(key, module_name, ModuleNotFoundError(f"No module named '{module_name}'"))
+
+
+def _cannot_import(key: str, module_name: str, e: Exception) -> ConfigError:
+    return ConfigError(f"{key}: cannot import '{module_name}': {type(e).__name__}: {e}")
 
 
 def bind(fn: Callable, args: dict, key: str, context: dict) -> dict:

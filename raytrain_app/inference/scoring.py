@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from raytrain_app import rundir, storage
 from raytrain_app.cluster.session import cluster_for
-from raytrain_app.config import JobConfig, updated
+from raytrain_app.config import JobConfig, registry, updated
 from raytrain_app.console import count
 from raytrain_app.data import tables
 from raytrain_app.data.preprocess import feature_columns
@@ -65,6 +65,15 @@ class Loaded:
     def directory(self) -> str:
         return self.chosen.path
 
+    def check_builders(self, with_data: bool) -> None:
+        """The user's modules that the workers import (the model's, a custom task's, and the data's
+        where a split of the run's data is read) are found here: a run from another directory
+        where they are not gets the one line before any worker starts."""
+        job = self.job
+        for name, key in ((job.model.name, "model.name"), (job.task.name, "task.name"),
+                          (job.task.eval_step, "task.eval_step"), (job.data.name if with_data else None, "data.name")):
+            registry.check_findable(name, key)
+
     def features(self) -> list[str]:
         """The input columns the model reads, in order."""
         features = feature_columns(self.recipe, self.job.data.args.get("features"))
@@ -83,6 +92,7 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
         raise UserError(f"--data-set must be one of {', '.join(DATA_SETS)}, got {data_set}")
     _one_machine(local, workers, address)
     loaded = Loaded.find(run_dir, checkpoint_name, 1 if local else workers)
+    loaded.check_builders(with_data=data is None)
     evaluations = storage.join(storage.parent(loaded.directory), "evaluations")  # checkpoints are in the run dir
     split = f"file-{posixpath.basename(data).split('.')[0]}" if data else data_set
     copies = storage.join(evaluations, f".{split}")  # a CSV's rows as Parquet, for the workers
@@ -229,6 +239,7 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
     with no Ray cluster."""
     _one_machine(local, workers, address)
     loaded = Loaded.find(run_dir, checkpoint_name, 1 if local else workers)
+    loaded.check_builders(with_data=False)
     if loaded.job.task.name not in ("classification", "regression"):
         raise UserError(f"predict writes classification and regression outputs; this run's task is "
                         f"{loaded.job.task.name}")
