@@ -386,26 +386,27 @@ def test_dry_run_shows_the_plan_and_masks_secrets(tmp_path):
 
 
 PROJECT_MODELS = '''
+import os
+
+import ray
 from torch import nn
 
 
 def build(input_shape, num_classes, hidden: int = 16):
+    # On every node (where Ray is up) this runs in the uploaded copy of the project: what
+    # `excludes` names never arrives. `submit` also runs it here first, where the file exists.
+    if ray.is_initialized() and os.path.exists("scratch/huge.bin"):
+        raise RuntimeError("excluded file was uploaded")
     return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
 '''
 
 PROJECT_DATA = '''
 import os
 
-import ray
-
 from raytrain_app.data.parquet import parquet
 
 
 def build(path, eval_fraction, split_seed):
-    # On every node (where Ray is up) this runs in the uploaded copy of the project: what
-    # `excludes` names never arrives. `submit` also runs it here first, where the file exists.
-    if ray.is_initialized() and os.path.exists("scratch/huge.bin"):
-        raise RuntimeError("excluded file was uploaded")
     if os.environ.get("RTPROJ_FAIL"):
         raise RuntimeError("asked to fail on the cluster")
     return parquet(path, eval_fraction, split_seed)
@@ -439,15 +440,20 @@ def project_profile(root, profile, **fields):
 
 
 def test_submit_ships_the_users_code_to_both_nodes_with_storage_on_s3(project, s3, tmp_path):
+    """The project's model module and its data file (read by the built-in parquet reader) travel
+    to both nodes; the run is then evaluated from the project folder, after the job."""
     root, profile = project
     # Credentials reach the job through the profile, named, never written into it.
     profile_file = project_profile(root, profile, storage=f"s3://{s3.bucket}/submitted", runtime_env={
         "working_dir": ".", "excludes": ["scratch/"],
         "env_vars": {name: f"${{{name}}}" for name in s3.env}})
+    (root / "shipped.yaml").write_text(yaml.safe_dump({
+        "name": "project", "model": {"name": "rtproj_models:build", "args": {"hidden": 8}},
+        "data": {"name": "parquet", "args": {"path": "data/table.parquet"}}, "train": {"epochs": 2, "batch_size": 16}}))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = command(["submit", str(root / "job.yaml"), "--cluster", profile_file], elsewhere, {**os.environ, **s3.env},
-                   timeout=240)
+    env = {**os.environ, **s3.env}
+    proc = command(["submit", str(root / "shipped.yaml"), "--cluster", profile_file], elsewhere, env, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     job_id, run_dir = re.search(r"submitted (\S+) to .*run directory (\S+)", proc.stdout).groups()
@@ -463,6 +469,15 @@ def test_submit_ships_the_users_code_to_both_nodes_with_storage_on_s3(project, s
     assert "epoch 2/2" in proc.stdout  # --follow streamed the job's console
     code, said = ray_cli(profile, "status", job_id)  # Ray's own command sees the same job
     assert code == 0 and f"'{job_id}' succeeded" in said.lower()
+
+    # The run records its data path as written, which means the project folder: made absolute on
+    # the cluster, it named the job's copy of the folder, which Ray deletes with its session.
+    recorded = yaml.safe_load(s3.client().get_object(Bucket=s3.bucket, Key=f"submitted/{job_id}/config.yaml")["Body"]
+                              .read())
+    assert recorded["data"]["args"]["path"] == "data/table.parquet"
+    scored = command(["evaluate", run_dir, "--local"], root, env)
+    best = max(row["eval_accuracy"] for row in rows)
+    assert scored.returncode == 0 and re.search(rf"^eval_accuracy +{best:.6f}$", scored.stdout, re.M), scored
 
 
 def test_a_job_that_fails_on_the_cluster_fails_submit_with_its_one_line_error(project):

@@ -13,11 +13,21 @@ DATA_PATHS = {"parquet": ("path", "eval_path"), "mnist": ("root",), "fashion_mni
               "text": ("path",)}
 
 
+# Set for a job whose working_dir Ray uploads (launch/submission.py), to the folder it came from.
+SHIPPED_FROM_ENV = "RAYTRAIN_SHIPPED_FROM"
+
+
 def absolute_paths(config: JobConfig) -> JobConfig:
     """The built-in datasets' local paths made absolute (URIs as they are), once, where the run
     launches: its config then means the same files to every later command, from any directory
     (`evaluate`, `--resume` of a copied config, a worker elsewhere). Checks ran on the paths as
-    written, so their messages show them so."""
+    written, so their messages show them so.
+
+    Not in a job that ships its working_dir: its driver and every worker run in a copy of the
+    user's project folder, which Ray deletes with the cluster's session; made absolute, the run
+    would name that copy. As written, they mean the project folder, where later commands run."""
+    if os.environ.get(SHIPPED_FROM_ENV):
+        return config
     args = dict(config.data.args)
     for key in DATA_PATHS.get(config.data.name if isinstance(config.data.name, str) else "", ()):
         value = args.get(key)

@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Sequence, Union
 from raytrain_app import storage, tracking
 from raytrain_app.cluster.profiles import ClusterProfile, mask
 from raytrain_app.config import JobConfig, dump_yaml, updated
-from raytrain_app.config.resolve import resolve_auto
+from raytrain_app.config.resolve import SHIPPED_FROM_ENV, resolve_auto
 from raytrain_app.errors import UserError
 from raytrain_app.launch.shipping import check_upload_size, unshipped_imports
 from raytrain_app.preflight.checks import check_data_and_model, check_script
@@ -191,13 +191,14 @@ def job_folder(profile: ClusterProfile) -> Optional[str]:
 def job_runtime_env(profile: ClusterProfile, working_dir: Optional[str], env_vars: dict[str, str]) -> dict:
     """The job's runtime_env: its folder (checked for size: Ray uploads it), the profile's pip
     packages and variables, and `env_vars`."""
-    if working_dir and profile.kind != "slurm":  # SLURM jobs run in it on a shared filesystem: no upload
+    uploaded = working_dir and profile.kind != "slurm"  # SLURM jobs run in it on a shared filesystem
+    if uploaded:
         check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
                           profile.source)
     return {
         **({"working_dir": working_dir, "excludes": profile.runtime_env.excludes} if working_dir else {}),
         **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
-        "env_vars": {**profile.job_env_vars(), **env_vars},
+        "env_vars": {**profile.job_env_vars(), **env_vars, **({SHIPPED_FROM_ENV: working_dir} if uploaded else {})},
     }
 
 
