@@ -151,6 +151,12 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     assert [[int(r), int(i), int(p), np.float32(q)] for r, i, p, q in table[1:]] == [
         [r["row"], r["id"], r["prediction"], np.float32(r["probability"])] for r in preds.to_pylist()]
 
+    # An output named for a format predict does not write: one line, before Ray, and no file.
+    proc = command(["predict", result.run_dir, "--input", "new.csv", "--output", "preds.json"], elsewhere)
+    assert (proc.returncode, proc.stderr) == (2, "error: --output preds.json: predictions are written as Parquet "
+                                                 "(.parquet, .pq, or no suffix) or CSV (.csv), not .json\n"), proc
+    assert not os.path.exists(os.path.join(elsewhere, "preds.json"))
+
     # A misnamed column: one line, with the closest name, before Ray.
     pv.write_csv(rows.rename_columns([c.replace("tenure_months", "tenure_month") for c in rows.column_names]),
                  "typo.csv")

@@ -55,7 +55,8 @@ def evaluate(run_dir, which, data_set, data_file, workers, address, local, verbo
                                                                         "or URI) with the columns the run trained "
                                                                         "on, by name, raw values.")
 @click.option("--output", required=True, metavar="FILE", help="Where the predictions go (path or URI): CSV for a "
-                                                            "name ending in .csv, else Parquet.")
+                                                            "name ending in .csv, Parquet for .parquet, .pq or no "
+                                                            "suffix.")
 @CHECKPOINT
 @click.option("--workers", type=int, help="Parallel tasks (default: the run's workers).")
 @click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per forward pass.")

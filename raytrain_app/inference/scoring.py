@@ -238,6 +238,7 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
     regression: `prediction` (the value, or a list for several targets). `local`: in this process,
     with no Ray cluster."""
     _one_machine(local, workers, address)
+    output_format(output)
     loaded = Loaded.find(run_dir, checkpoint_name, 1 if local else workers)
     loaded.check_builders(with_data=False)
     if loaded.job.task.name not in ("classification", "regression"):
@@ -350,14 +351,28 @@ def _model_on(directory: str, job: JobConfig, devices: list):
     return model if places_itself(job.model) else model.to(devices[0])
 
 
+# What predict writes, by the output's suffix (none: Parquet).
+OUTPUT_FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", "": "parquet"}
+
+
+def output_format(output: str) -> str:
+    """CSV or Parquet, as the output's name says: another suffix (preds.json) is refused, not
+    written as Parquet under a name that says otherwise."""
+    suffix = posixpath.splitext(posixpath.basename(output.rstrip("/")))[1].lower()
+    if suffix not in OUTPUT_FORMATS:
+        raise UserError(f"--output {output}: predictions are written as Parquet (.parquet, .pq, or no suffix) or CSV "
+                        f"(.csv), not {suffix}")
+    return OUTPUT_FORMATS[suffix]
+
+
 def _join(parts: str, groups: int, output: str) -> int:
-    """The parts, in row-group order, into one file, one part in memory at a time: CSV where the
-    output's name ends in .csv (several targets' predictions as `prediction_0`, `prediction_1`, ...:
-    CSV has no lists), else Parquet."""
+    """The parts, in row-group order, into one file, one part in memory at a time, as
+    `output_format` says (several targets' predictions in CSV as `prediction_0`, `prediction_1`,
+    ...: CSV has no lists)."""
     import pyarrow.csv
     import pyarrow.parquet as pq
 
-    as_csv = output.lower().endswith(".csv")
+    as_csv = output_format(output) == "csv"
     fs, path = storage.filesystem_for(output)
     parts_fs, parts_path = storage.filesystem_for(parts)
     rows, writer = 0, None
