@@ -90,15 +90,15 @@ def cluster_for(scaling: ScalingConfig, address: Optional[str], log_dir: Optiona
     needed = int(scaling.max_workers * scaling.cpus_per_worker + spare_cpus + 0.999)
     if choice.current:  # the caller's connection, left as it was
         yield
-    elif choice.address is None:
-        with embedded_cluster(max(os.cpu_count() or 1, needed), log_dir=log_dir, verbose=verbose,
-                              dashboard=dashboard, on_node_lost=on_node_lost, echo=echo):
-            yield
-    else:
-        with connected(choice.address, log_dir, verbose, choice.auth_env):
-            if min_nodes > 1:
-                wait_for_nodes(min_nodes, node_timeout_s, echo)
-            yield
+        return
+    joined = (embedded_cluster(max(os.cpu_count() or 1, needed), log_dir=log_dir, verbose=verbose,
+                               dashboard=dashboard, on_node_lost=on_node_lost, echo=echo) if choice.address is None
+              else connected(choice.address, log_dir, verbose, choice.auth_env))
+    with joined:
+        python_answers_sigterm()
+        if min_nodes > 1:  # a joined cluster's (refused above for an embedded one)
+            wait_for_nodes(min_nodes, node_timeout_s, echo)
+        yield
 
 
 def free_port() -> int:
@@ -168,7 +168,6 @@ def embedded_cluster(num_cpus: int, num_gpus: Optional[int] = None, log_dir: Opt
         log_to_driver=verbose,
         logging_level=logging.INFO,  # into the handler route_ray_logs installed: a file unless verbose
     )
-    python_answers_sigterm()
     if not verbose:
         route_raylet_errors(logging.getLogger("ray").warning)
     session_logs = session_logs_dir()
@@ -340,7 +339,6 @@ def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False
         ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
         raise UserError(f"cannot join the Ray cluster at {address}: {last_line(e)}") from None
-    python_answers_sigterm()
     if not verbose:
         route_raylet_errors(logging.getLogger("ray").warning)
     try:
