@@ -76,8 +76,13 @@ def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, 
     now = time.time()
     elsewhere = Holder("t1", "gpu-node-7", 4242, "train", None, now - 600, now - 5)
     lease._create(path, elsewhere)
-    with pytest.raises(UserError, match=r"in use by pid 4242 on host gpu-node-7 \(train\) since"):
+    with pytest.raises(UserError, match=r"in use by pid 4242 on host gpu-node-7 \(train\) since .*; if that "
+                                        r"process is gone, --resume takes over after 60 s$"):
         Lease.acquire(str(tmp_path), "train", print)
+    # evaluate (which writes evaluations/) is told its own way back, not train's --resume.
+    with pytest.raises(UserError, match=r"\(train\) since .*; if that process is gone, `evaluate` again takes over "
+                                        r"after 60 s$"):
+        Lease.acquire(str(tmp_path), "evaluate", print)
     stale = Holder(**{**elsewhere.__dict__, "heartbeat": now - lease.STALE_S - 1})
     lease._renew(path, stale, None)
     said = []

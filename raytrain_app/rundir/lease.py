@@ -107,9 +107,10 @@ class Lease:
             if why is None and found.job is not None and found.job == mine.job and time.monotonic() < patience:
                 time.sleep(1)  # the same job started again: its earlier attempt's heartbeat is about to stop
                 continue
-            if why is None:
+            if why is None:  # the way back for this command: train's and sweep's is --resume
+                again = "--resume" if command in ("train", "sweep") else f"`{command}` again"
                 raise UserError(f"run dir {run_dir} is in use by {found.describe()}; if that process is gone, "
-                                f"--resume takes over after {STALE_S:.0f} s")
+                                f"{again} takes over after {STALE_S:.0f} s")
             if not _take_over(path, mine, found, version):
                 raise UserError(f"run dir {run_dir} was just taken by another command as well; try again")
             warn(f"took over the lease of {run_dir}" + (f" from {found.describe()}" if found else "") + f": {why}")
