@@ -466,7 +466,8 @@ def test_submit_ships_the_users_code_to_both_nodes_with_storage_on_s3(project, s
     logs = [s3.client().get_object(Bucket=s3.bucket, Key=f"submitted/{job_id}/logs/rank-{r}.log")["Body"].read()
             .decode() for r in (0, 1)]
     assert len({re.search(r"on node (\w+)", log).group(1) for log in logs}) == 2  # a rank on each node
-    assert "epoch 2/2" in proc.stdout  # --follow streamed the job's console
+    assert "epoch 2/2" in proc.stdout  # --follow streamed the job's console, without Ray's job manager's lines
+    assert "job_manager.py" not in proc.stdout and "Running entrypoint" not in proc.stdout, proc.stdout
     code, said = ray_cli(profile, "status", job_id)  # Ray's own command sees the same job
     assert code == 0 and f"'{job_id}' succeeded" in said.lower()
 

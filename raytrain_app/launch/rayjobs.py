@@ -8,6 +8,7 @@ import asyncio
 import functools
 import getpass
 import hashlib
+import re
 import time
 from typing import Iterator, Sequence
 
@@ -23,6 +24,11 @@ from raytrain_app.launch.submission import Submission, write_files
 from raytrain_app.waiting import poll
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+# What Ray's job manager writes at the head of a job's log, before the entrypoint's own output
+# ("... INFO job_manager.py:581 -- Runtime env is setting up.", "Running entrypoint for job ..."):
+# Ray's chatter, left in the job's logs (`logs`), not streamed to a followed job's console.
+RAY_JOB_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+[A-Z]+ job_manager\.py:\d+ -- "
+                          r"|Running entrypoint for job ")
 
 
 class RayJobs:
@@ -61,8 +67,14 @@ class RayJobs:
         client = self.dashboard.jobs()
 
         async def tail() -> None:
+            pending = ""  # a line not yet ended: whether it is Ray's is known at its end
             async for chunk in client.tail_job_logs(job_id):
-                echo(chunk)
+                *lines, pending = (pending + chunk).split("\n")
+                shown = "".join(f"{line}\n" for line in lines if not RAY_JOB_LINE.match(line))
+                if shown:
+                    echo(shown)
+            if pending and not RAY_JOB_LINE.match(pending):
+                echo(pending)
 
         asyncio.run(tail())
         return self._wait(job_id, timeout_s=30)
