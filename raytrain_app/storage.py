@@ -51,9 +51,17 @@ def join(base: str, *parts: str) -> str:
 
 
 def exists(path: str) -> bool:
+    return _type(path) != pafs.FileType.NotFound
+
+
+def is_file(path: str) -> bool:
+    return _type(path) == pafs.FileType.File
+
+
+def _type(path: str) -> pafs.FileType:
     fs, p = filesystem_for(path)
     try:
-        return fs.get_file_info(p).type != pafs.FileType.NotFound
+        return fs.get_file_info(p).type
     except (OSError, pa.ArrowException) as e:  # an object store refusing us: credentials, endpoint
         raise UserError(f"cannot read {path}: {explain(e)}") from None
 

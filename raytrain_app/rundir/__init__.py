@@ -197,6 +197,8 @@ def choose(path: str, which: Optional[str] = None) -> Chosen:
     path = storage.normalize(path)
     if not storage.exists(path):
         raise UserError(f"{path} does not exist: name a run directory or one of its checkpoint_* directories")
+    if storage.is_file(path):
+        raise UserError(f"{path} is a file: name a run directory or one of its checkpoint_* directories")
     if storage.exists(storage.join(path, STATE_FILE)):  # a checkpoint itself
         if which not in (None, "latest"):
             raise UserError(f"--checkpoint {which}: {path} is a checkpoint already; name its run directory instead")
