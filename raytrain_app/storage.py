@@ -173,8 +173,8 @@ def explain(e: BaseException) -> str:
             code = "ACCESS_DENIED"
     else:
         found = _AWS_ERROR.search(str(e))
-        if not found:
-            return last_line(e)
+        if not found:  # a local file's error: the system's words, which pyarrow wraps with a temp file's name
+            return os.strerror(e.errno) if isinstance(e, OSError) and e.errno else last_line(e)
         code, detail = found.group(1), found.group(2).strip().rstrip(".")
     text = code + (f": {detail}" if detail and detail != "No response body" else "")
     if code in _REFUSED:

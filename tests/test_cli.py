@@ -102,6 +102,10 @@ def test_a_run_leaves_its_pictures_and_tensorboard_curves(digits_run, tmp_path):
 
     compared = forked("report", str(run_dir), str(run_dir), "-o", str(tmp_path / "both.png"))
     assert compared.returncode == 0 and compared.stdout.strip() == str(tmp_path / "both.png"), compared.stderr
+    # An output it cannot write: the system's words, not pyarrow's wrapping of them around a temp file's name.
+    unwritable = forked("report", str(run_dir), "-o", "/proc/raytrain/report.png")
+    assert (unwritable.returncode, unwritable.stderr) == (
+        2, "error: cannot write /proc/raytrain/report.png: No such file or directory\n"), unwritable
 
 
 def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_cluster, tmp_path):
