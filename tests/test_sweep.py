@@ -207,8 +207,11 @@ def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_e
     crash = ["--set", f"model.args={{marker: {tmp_path / 'fault'}, at: 1, fault: crash}}",
              "--set", "model.name=tests.helpers:faulty_mlp"]
     (tmp_path / "fault").touch()
-    failed = command([*common[:-2], *crash, "--sweep-dir", str(tmp_path / "failed")], REPO, timeout=300)
+    # --sweep-dir relative, as typed at a prompt (Tune takes only absolute paths).
+    failed = command([*common[:-2], *crash, "--sweep-dir", os.path.relpath(tmp_path / "failed", REPO)], REPO,
+                     timeout=300)
     assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert (tmp_path / "failed" / "sweep.json").exists()
     again = table_of(failed.stdout)
     assert {name: row[:4] for name, row in again.items()} == {name: row[:4] for name, row in rows.items()}
     assert all(row[-1].startswith("failed") for row in again.values())

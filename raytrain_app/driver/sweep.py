@@ -136,6 +136,7 @@ def run(sweep: Sweep, sweep_dir: str, resume: bool = False, address: Optional[st
         echo: Callable[[str], None] = print, min_nodes: int = 1, node_timeout_s: float = 600) -> Outcome:
     """Run (or resume) a sweep from this process, as `raytrain-app sweep` does: its trials' epochs,
     then the table of trials and the best one said to `echo`, and `best.yaml` written."""
+    sweep_dir = storage.normalize(sweep_dir)  # Tune takes an absolute path or a URI, not `--sweep-dir sweeps/x`
     trials, interrupted = launch(sweep, sweep_dir, resume, address, verbose, echo, min_nodes, node_timeout_s)
     echo(table(sweep, trials))
     best = write_best(sweep, sweep_dir, trials)
