@@ -71,6 +71,23 @@ def test_a_second_train_on_a_run_dir_in_use_is_refused_and_the_first_run_is_unto
     assert not (run_dir / "restarts.jsonl").exists()  # nobody resumed it
 
 
+def test_epochs_a_killed_driver_did_not_record_come_back_from_the_checkpoint_on_resume(tmp_path):
+    """The driver writes metrics.jsonl as each epoch's row reaches it, after the epoch's checkpoint:
+    one killed in between (SIGKILL, the OOM killer) left checkpoints of epochs that the file
+    lacked, and the resumed run a gap in its history (seen by hand: epochs 1, 2, 5, 6). Here the
+    file has lost its last two rows, as then; the resume restores them from its checkpoint."""
+    run_dir = tmp_path / "run"
+    sets = ["checkpoint.every_epochs=1", "scaling.workers=1"]
+    raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=[*sets, "train.epochs=3"], **QUIET)
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text(rows[0] + "\n")
+    resumed = raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=[*sets, "train.epochs=4"], resume=True,
+                               **QUIET)
+    again = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert again[:3] == rows and json.loads(again[3])["epoch"] == 4
+    assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
+
+
 def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, monkeypatch):
     path = str(tmp_path / lease.LEASE)
     now = time.time()

@@ -327,6 +327,9 @@ class EventListener(threading.Thread):
         if kind == "report":  # a script's report: its own output says what it wants said
             self.log.add(payload)
             return
+        if kind == "restored":  # a resume's checkpoint: epochs whose rows an earlier driver did not write
+            self.log.fill(payload)
+            return
         self.progress.close()
         if kind == "startup":
             phases = startup_phases({**self.marks, **payload})

@@ -246,6 +246,14 @@ class MetricsLog:
         self._rows = {e: r for e, r in self._rows.items() if e <= key}
         storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
 
+    def fill(self, rows: list[dict]) -> None:
+        """Rows of epochs the file lacks (a checkpoint's, written before its driver wrote them);
+        those it has stand."""
+        missing = [row for row in rows if _key(row) not in self._rows]
+        if missing:
+            self._rows.update((_key(row), row) for row in missing)
+            storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
+
     def rows(self) -> list[dict]:
         return [self._rows[e] for e in sorted(self._rows)]
 

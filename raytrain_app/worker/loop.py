@@ -174,6 +174,7 @@ def _run(w: Worker) -> None:
         # The epoch's position in this group's micro-batches: its optimizer steps are the same.
         state.batch = state.batch // saved_layout.get("accum_steps", tc.grad_accum_steps) * batches.accum_steps
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
+        report.restored(state.rows)
         extended = extend_schedule(optimizer, state.scheduler, steps_per_epoch, tc.epochs, job.schedule.on_extend)
         if extended:
             report.say(extended)
@@ -207,6 +208,7 @@ def _run(w: Worker) -> None:
             save = (state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
                     or after_step.save_at_epoch_end)
             trackers.epoch(metrics)  # (durable before the epoch's checkpoint, as before a step's)
+            state.rows.append(metrics)  # (in the checkpoint, for a driver that dies before its row)
             report_to_ray(metrics, state, w, about if save else None)
             if after_step.save_at_epoch_end:
                 report.info("notice answered: the checkpoint at step %d is written", state.step)

@@ -78,6 +78,10 @@ class Reporter:
         self.log.info("epoch %d %s", metrics["epoch"], metrics)
         self._send("epoch", metrics)
 
+    def restored(self, rows: list[dict]) -> None:
+        """The resumed checkpoint's epoch rows: the driver adds those metrics.jsonl lacks."""
+        self._send("restored", rows)
+
     def nonfinite(self, where: dict) -> None:
         self.log.error("stopped: the training loss was not finite at %s", where)
         self._send("nonfinite", where)

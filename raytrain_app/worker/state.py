@@ -89,6 +89,10 @@ class TrainState:
     sharded: bool = False  # the model is FSDP-sharded: weights and optimizer go through DCP
     early_stopping: Optional[EarlyStopping] = None  # what it has seen so far, when the run watches a metric
     comm_hook: Optional[CommHook] = None  # PowerSGD's factors and error feedback, when DDP sends through it
+    # Every finished epoch's metrics row. The driver writes metrics.jsonl when a row reaches it,
+    # after the epoch's checkpoint: a driver killed in between left a checkpoint whose epochs the
+    # file lacked, and a resume from it a gap. The checkpoint carries them, and a resume sends them.
+    rows: list = field(default_factory=list)
 
     def finish_epoch(self) -> None:
         self.epoch, self.batch, self.samples, self.totals = self.epoch + 1, 0, 0, None
@@ -108,6 +112,7 @@ class TrainState:
             "samples": self.samples,
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
             "comm_hook": self.comm_hook.state_dict() if self.comm_hook else None,
+            "rows": self.rows,
         }
 
     def load_state_dict(self, saved: dict, shards: Optional[str] = None) -> None:
@@ -130,6 +135,7 @@ class TrainState:
             self.early_stopping.load_state_dict(saved["early_stopping"])
         if self.comm_hook:
             self.comm_hook.load_state_dict(saved.get("comm_hook"))
+        self.rows = list(saved.get("rows", []))  # none from a checkpoint that predates them
 
     def sharded_state_dict(self) -> dict:
         """Weights and optimizer state keyed by parameter name, as this rank's DTensor shards."""
