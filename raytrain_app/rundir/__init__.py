@@ -244,7 +244,7 @@ class MetricsLog:
         key = _key(row)
         self._rows[key] = row
         self._rows = {e: r for e, r in self._rows.items() if e <= key}
-        storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
+        self._write()
 
     def fill(self, rows: list[dict]) -> None:
         """Rows of epochs the file lacks (a checkpoint's, written before its driver wrote them);
@@ -252,10 +252,13 @@ class MetricsLog:
         missing = [row for row in rows if _key(row) not in self._rows]
         if missing:
             self._rows.update((_key(row), row) for row in missing)
-            storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
+            self._write()
 
     def rows(self) -> list[dict]:
         return [self._rows[e] for e in sorted(self._rows)]
+
+    def _write(self) -> None:
+        storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows()))
 
 
 def _key(row: dict) -> int:
