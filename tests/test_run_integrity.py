@@ -86,6 +86,9 @@ def test_epochs_a_killed_driver_did_not_record_come_back_from_the_checkpoint_on_
     again = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert again[:3] == rows and json.loads(again[3])["epoch"] == 4
     assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
+    # Fewer epochs than it has done: one line, not a run that ends at once, "4 of 2 epochs".
+    with pytest.raises(UserError, match=r"is at epoch 4, past train.epochs 2: set train.epochs above 4 to train on$"):
+        make_plan(load_config(DIGITS, [*sets, "train.epochs=2"]), run_dir=str(run_dir), resume=True)
 
 
 def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, monkeypatch):

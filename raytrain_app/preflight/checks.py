@@ -86,6 +86,9 @@ def check_resumable(config: JobConfig, run_dir: str, model) -> list[str]:
     was = saved["config"]
     then, now = was["model"], config.to_dict()["model"]
     where = f"--resume: {latest.name}"
+    if latest.epoch > config.train.epochs:  # it would end at once, "23 of 12 epochs", having trained nothing
+        raise UserError(f"{where} is at epoch {latest.epoch}, past train.epochs {config.train.epochs}: set "
+                        f"train.epochs above {latest.epoch} to train on")
     if then["name"] != now["name"]:
         raise UserError(f"{where} has model {then['name']}, the config says {now['name']}: resume with the model it "
                         "was trained with, or start a new run")
