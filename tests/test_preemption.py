@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 import psutil
 import pytest
@@ -21,76 +22,64 @@ import yaml
 from raytrain_app import rundir
 from raytrain_app.cluster import localnodes
 from raytrain_app.cluster.dashboard import Dashboard
-from raytrain_app.cluster.profiles import load_profile
+from raytrain_app.cluster.profiles import ClusterProfile, load_profile
 from raytrain_app.rundir import snapshot
 from tests.commands import command
-from tests.conftest import REPO, short_temp_dir
+from tests.conftest import REPO, running, short_temp_dir
 
 
-@pytest.fixture
-def two_nodes(tmp_path):
-    """`cluster up` of two 1-CPU nodes (free ports), and `cluster down` after the test: the
-    worker node is stopped under the run, so no other test shares this cluster."""
-    path = tmp_path / "profile.yaml"
+@dataclass
+class Cluster:
+    path: str
+    profile: ClusterProfile
+    worker: int  # the leader of the worker node a test drains and stops
+    added: list = field(default_factory=list)  # nodes the tests started, stopped with the cluster
+
+    def add_node(self) -> psutil.Process:
+        """A node joining, as a cloud adds one; numbered after the nodes before it (its ports)."""
+        self.added.append(localnodes.add_node(self.profile, len(self.added) + 2))
+        return self.added[-1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """`cluster up` of two 1-CPU nodes (free ports) for this module, and `cluster down` after it.
+    Each test stops the worker node under its run, so no other module shares this cluster."""
+    home = tmp_path_factory.mktemp("preempt")
+    path = home / "profile.yaml"
     path.write_text(yaml.safe_dump({"name": "preempt", "address": "local", "nodes": 2, "cpus_per_node": 1,
-                                    "storage": str(tmp_path / "storage"), "placement": "SPREAD",
-                                    "auth": {"token_file": str(tmp_path / "token")},
+                                    "storage": str(home / "storage"), "placement": "SPREAD",
+                                    "auth": {"token_file": str(home / "token")},
                                     "local": {"temp_dir": short_temp_dir()}}))
     # Its nodes run Ray Train's preemption watcher, which the session's cluster turns off.
     env = {k: v for k, v in os.environ.items() if k != "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"}
     up = command(["cluster", "up", str(path)], REPO, env, timeout=120)
     assert up.returncode == 0, up.stderr
     leaders = {kind: int(pid) for kind, pid in re.findall(r"node \d up \((\w+), pid (\d+)\)", up.stdout)}
-    yield str(path), load_profile(str(path)), leaders
+    nodes = Cluster(str(path), load_profile(str(path)), leaders["worker"])
+    yield nodes
     command(["cluster", "down", str(path)], REPO, timeout=120)
+    localnodes.stop_processes([node.pid for node in nodes.added if node.is_running()])
 
 
-def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_what_is_left_ends(two_nodes, tmp_path):
-    _, profile, leaders = two_nodes
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}  # the watcher's polls, in a test's time
-    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
-    errors = tmp_path / "stderr"  # a file, which no full pipe can stall the run on
-    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
-                             "--run-dir", str(run_dir), "--set", "train.epochs=200",
-                             "--set", "model={name: 'tests.helpers:paced'}",
-                             "--set", "checkpoint.every_epochs=100", "--set", "failure.placement_timeout_s=8"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
-                            start_new_session=True)
-    try:
-        drain_and_stop(proc, profile, leaders, run_dir, errors)
-    finally:
-        if proc.poll() is None:  # a failed assertion: the run must not outlive the test
-            os.killpg(proc.pid, signal.SIGKILL)
+@pytest.fixture
+def two_nodes(cluster):
+    """The head and a live worker node, with both CPUs free: where an earlier test stopped the
+    worker, a new one joins in its place (Ray keeps the stopped one's record, as a dead node).
+    The elastic test comes first, on the fresh cluster: the autoscaling coordinator that sizes
+    an elastic group is a detached actor that reads the nodes every 20 s, so a run started just
+    after a node joined would start at one worker and grow at its next look."""
+    if not running(cluster.worker):
+        cluster.worker = cluster.add_node().pid
+    dashboard, deadline = Dashboard.for_profile(cluster.profile), time.monotonic() + 120
+    while sum(node["CPU"] for node in dashboard.free().values()) < 2:  # joined, and no placement group left
+        assert time.monotonic() < deadline, dashboard.free()
+        time.sleep(0.5)
+    return cluster.path, cluster.profile, {"worker": cluster.worker}
 
 
-def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, errors) -> None:
-    said, notice = drain(proc, profile, leaders, 200)
-    stopped = time.monotonic()
-    assert "using the running local cluster 'preempt'" in "".join(said), said
-    step, epoch, batch, epoch_end = notice.groups()[1:]
-    out, _ = proc.communicate(timeout=120)
-    said.append(out)
-    err = errors.read_text()
-    assert proc.returncode == 1, "".join(said) + err
-    assert time.monotonic() - stopped < 8 + 20  # the placement timeout, and the restart's own start
-    assert re.fullmatch(r"training failed: the cluster could not place 2 workers within 8s "
-                        r"\(failure\.placement_timeout_s\): it holds 1 now \(1 nodes: 0 GPUs/1 CPUs\); "
-                        rf"`--resume --run-dir {run_dir}` continues from its latest checkpoint "
-                        r"\(with --workers 1 it fits now\)\n", err.split("error: ")[-1]), err
-    # The checkpoint taken at the notice is the run's latest, where it stood then: mid-epoch (or,
-    # at an epoch's last step, that epoch's own).
-    latest = snapshot.latest(str(run_dir))
-    position = json.loads(open(os.path.join(latest, rundir.POSITION)).read())
-    if epoch_end:
-        assert (position["epoch"], position["batch"]) == (int(epoch_end), 0), position
-    else:
-        assert (position["step"], position["epoch"] + 1, position["batch"]) == (int(step), int(epoch), int(batch))
-        assert int(batch) > 0
-    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
-
-
-def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, tmp_path):
+def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, cluster,
+                                                                                           tmp_path):
     """`workers: 1:2` under FSDP2 on the two nodes; the worker node drained mid-epoch and then
     stopped; a new node started. The run checkpoints at the notice, goes on at one worker from
     that step (the shards gathered into one whole model by torch.distributed.checkpoint; two
@@ -129,7 +118,7 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
             said.append(line)
             if line.startswith("resized: shrank"):
                 break
-        joined = localnodes.add_node(profile, 2)
+        joined = cluster.add_node()
         for line in proc.stdout:
             said.append(line)
             if line.startswith("resized: grew"):
@@ -177,6 +166,51 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
     trained += lines(zeros[2]) + lines(ones[1])
     counts = collections.Counter(trained)
     assert set(counts) == set(range(size)) and set(counts.values()) == {epochs}, collections.Counter(counts.values())
+
+
+def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_what_is_left_ends(two_nodes, tmp_path):
+    _, profile, leaders = two_nodes
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}  # the watcher's polls, in a test's time
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
+    errors = tmp_path / "stderr"  # a file, which no full pipe can stall the run on
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
+                             "--run-dir", str(run_dir), "--set", "train.epochs=200",
+                             "--set", "model={name: 'tests.helpers:paced'}",
+                             "--set", "checkpoint.every_epochs=100", "--set", "failure.placement_timeout_s=8"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
+                            start_new_session=True)
+    try:
+        drain_and_stop(proc, profile, leaders, run_dir, errors)
+    finally:
+        if proc.poll() is None:  # a failed assertion: the run must not outlive the test
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, errors) -> None:
+    said, notice = drain(proc, profile, leaders, 200)
+    stopped = time.monotonic()
+    assert "using the running local cluster 'preempt'" in "".join(said), said
+    step, epoch, batch, epoch_end = notice.groups()[1:]
+    out, _ = proc.communicate(timeout=120)
+    said.append(out)
+    err = errors.read_text()
+    assert proc.returncode == 1, "".join(said) + err
+    assert time.monotonic() - stopped < 8 + 20  # the placement timeout, and the restart's own start
+    assert re.fullmatch(r"training failed: the cluster could not place 2 workers within 8s "
+                        r"\(failure\.placement_timeout_s\): it holds 1 now \(1 nodes: 0 GPUs/1 CPUs\); "
+                        rf"`--resume --run-dir {run_dir}` continues from its latest checkpoint "
+                        r"\(with --workers 1 it fits now\)\n", err.split("error: ")[-1]), err
+    # The checkpoint taken at the notice is the run's latest, where it stood then: mid-epoch (or,
+    # at an epoch's last step, that epoch's own).
+    latest = snapshot.latest(str(run_dir))
+    position = json.loads(open(os.path.join(latest, rundir.POSITION)).read())
+    if epoch_end:
+        assert (position["epoch"], position["batch"]) == (int(epoch_end), 0), position
+    else:
+        assert (position["step"], position["epoch"] + 1, position["batch"]) == (int(step), int(epoch), int(batch))
+        assert int(batch) > 0
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
 
 
 def train_worker(process: psutil.Process) -> bool:
