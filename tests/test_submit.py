@@ -130,10 +130,15 @@ def test_each_node_unpacks_a_jobs_working_dir_apart_so_the_driver_keeps_its_fold
     assert re.search(r"^2 nodes unpacked into 2 folders; the driver's is still /\S+/_ray_pkg_", said, re.M), said
 
 
+# A long job that holds both nodes' CPUs, as a real one does, but sleeps through its steps (leaving
+# the CPUs to the commands that watch it), with a checkpoint each epoch for its resume.
+PACED = ["--set", "model={name: 'tests.helpers:paced', args: {seconds: 0.05}}", "--set", "checkpoint.every_epochs=1"]
+
+
 def submit_long_job(profile_file) -> str:
     # The driver-side checks are other tests' subject; skipping them here saves a torch import per job.
     proc = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--set", "train.epochs=500", "--no-wait",
-               "--skip-checks")
+               "--skip-checks", *PACED)
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted (\S+)", proc.stdout).group(1)
     assert re.search(rf"^dashboard: http://127\.0\.0\.1:\d+/#/jobs/{job_id}$", proc.stdout, re.M)
@@ -188,7 +193,7 @@ def test_status_logs_and_stop_on_a_long_job(two_nodes, tmp_path):
     # Stopped, the run is continued by a new job from its latest checkpoint, two epochs further.
     done = [json.loads(line)["epoch"] for line in open(f"{run_dir}/metrics.jsonl")]
     resumed = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--resume", run_dir, "--skip-checks",
-                  "--set", f"train.epochs={done[-1] + 2}")
+                  "--set", f"train.epochs={done[-1] + 2}", *PACED)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"run directory {run_dir}" in resumed.stdout and re.search(r"resumed from \S+ at step", resumed.stdout)
     epochs = [json.loads(line)["epoch"] for line in open(f"{run_dir}/metrics.jsonl")]
