@@ -113,6 +113,10 @@ class Inbox:
     def get_nowait(self):
         return self._items.get_nowait()
 
+    def put_nowait(self, item) -> None:
+        """The driver's own item (the listener's wake-up), after what rank 0 sent."""
+        self._items.put(item)
+
     def _receive(self) -> None:
         while True:  # one connection per rank 0 (a restarted group's rank 0 opens another)
             try:
