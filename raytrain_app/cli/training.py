@@ -40,7 +40,8 @@ from raytrain_app.errors import UserError
 @click.option("--address", help="Join the running cluster at this GCS address (HOST:PORT; 'auto' reads "
                                 "$RAY_ADDRESS, as set inside Ray jobs); 'local' always starts an embedded "
                                 "cluster. Default: a local cluster `cluster up` started, if one is up and "
-                                "large enough, else an embedded one.")
+                                "large enough; else local mode (see --local), or with --ray an embedded "
+                                "cluster.")
 @MIN_NODES
 @NODE_TIMEOUT
 @MAX_FAILURES
@@ -54,7 +55,8 @@ from raytrain_app.errors import UserError
 @VERBOSE
 def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides, max_failures, resume,
           resume_if_any, address, min_nodes, node_timeout, smoke, local, verbose):
-    """Train CONFIG (a YAML file, or - for standard input) on Ray.
+    """Train CONFIG (a YAML file, or - for standard input) with Ray Train: on one machine in its
+    local mode (no cluster) where nothing Ray brings is asked for, else on a Ray cluster.
 
     CONFIG may instead be a torchrun-style SCRIPT.py, run unchanged on every worker with the
     arguments after --.
