@@ -139,6 +139,10 @@ def test_every_format_into_one_folder_each_with_its_json(digits_run, tmp_path):
     folder = tmp_path / "exports"
     done = {f: export(str(run_dir), f, output=str(folder) + "/") for f in FILE_NAMES}
     assert sorted(os.listdir(folder)) == sorted([*FILE_NAMES.values(), *(f"{n}.json" for n in FILE_NAMES.values())])
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: oct((folder / name).stat().st_mode & 0o777) for name in os.listdir(folder)}
+    assert modes == {name: oct(0o666 & ~umask) for name in modes}  # as any new file: none private
     rows = raw_pixels()
     expected = outputs(raytrain_app.load_model(str(run_dir)), rows)
     for format in ("safetensors", "pt", "torchscript"):

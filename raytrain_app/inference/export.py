@@ -147,9 +147,12 @@ def _version() -> str:
 
 def _save_safetensors(weights: dict, manifest: dict, path: str) -> None:
     """Every tensor its own contiguous copy: safetensors refuses tensors that share memory (the
-    GPT's tied embedding and head), and a plain `load_state_dict` then finds every key."""
+    GPT's tied embedding and head), and a plain `load_state_dict` then finds every key. Written
+    as bytes by this process: safetensors' own `save_file` makes the file private (0600), which
+    the team the model goes to could not read where the other formats' files are readable."""
     tensors = {name: t.clone(memory_format=torch.contiguous_format) for name, t in weights.items()}
-    _needs("safetensors").save_file(tensors, path, metadata={"format": "pt"})
+    with open(path, "wb") as f:
+        f.write(_needs("safetensors").save(tensors, metadata={"format": "pt"}))
 
 
 def _save_pt(weights: dict, manifest: dict, path: str) -> None:
