@@ -30,7 +30,6 @@ from tests.conftest import REPO, running, short_temp_dir
 
 @dataclass
 class Cluster:
-    path: str
     profile: ClusterProfile
     worker: int  # the leader of the worker node a test drains and stops
     added: list = field(default_factory=list)  # nodes the tests started, stopped with the cluster
@@ -56,7 +55,7 @@ def cluster(tmp_path_factory):
     up = command(["cluster", "up", str(path)], REPO, env, timeout=120)
     assert up.returncode == 0, up.stderr
     leaders = {kind: int(pid) for kind, pid in re.findall(r"node \d up \((\w+), pid (\d+)\)", up.stdout)}
-    nodes = Cluster(str(path), load_profile(str(path)), leaders["worker"])
+    nodes = Cluster(load_profile(str(path)), leaders["worker"])
     yield nodes
     command(["cluster", "down", str(path)], REPO, timeout=120)
     localnodes.stop_processes([node.pid for node in nodes.added if node.is_running()])
@@ -75,11 +74,10 @@ def two_nodes(cluster):
     while sum(node["CPU"] for node in dashboard.free().values()) < 2:  # joined, and no placement group left
         assert time.monotonic() < deadline, dashboard.free()
         time.sleep(0.5)
-    return cluster.path, cluster.profile, {"worker": cluster.worker}
+    return cluster
 
 
-def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, cluster,
-                                                                                           tmp_path):
+def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, tmp_path):
     """`workers: 1:2` under FSDP2 on the two nodes; the worker node drained mid-epoch and then
     stopped; a new node started. The run checkpoints at the notice, goes on at one worker from
     that step (the shards gathered into one whole model by torch.distributed.checkpoint; two
@@ -89,7 +87,7 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
     resumed from, and all that the last trained. The model is slowed while the test changes the
     cluster. (DDP's notices are the fixed-size test's; a replicated model's restore at another
     size is the simpler case of the same path.)"""
-    _, profile, leaders = two_nodes
+    nodes = two_nodes
     run_dir, seen, hold = tmp_path / "run", tmp_path / "seen", tmp_path / "hold"
     seen.mkdir()
     hold.touch()
@@ -113,12 +111,12 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
                             stderr=open(errors, "w"), text=True, env=env, start_new_session=True)
     joined = None
     try:
-        said, notice = drain(proc, profile, leaders, epochs)
+        said, notice = drain(proc, nodes.profile, nodes.worker, epochs)
         for line in proc.stdout:
             said.append(line)
             if line.startswith("resized: shrank"):
                 break
-        joined = cluster.add_node()
+        joined = nodes.add_node()
         for line in proc.stdout:
             said.append(line)
             if line.startswith("resized: grew"):
@@ -169,7 +167,7 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
 
 
 def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_what_is_left_ends(two_nodes, tmp_path):
-    _, profile, leaders = two_nodes
+    nodes = two_nodes
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}  # the watcher's polls, in a test's time
     env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
@@ -181,14 +179,14 @@ def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_wh
                             cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
                             start_new_session=True)
     try:
-        drain_and_stop(proc, profile, leaders, run_dir, errors)
+        drain_and_stop(proc, nodes.profile, nodes.worker, run_dir, errors)
     finally:
         if proc.poll() is None:  # a failed assertion: the run must not outlive the test
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def drain_and_stop(proc: subprocess.Popen, profile, leaders: dict, run_dir, errors) -> None:
-    said, notice = drain(proc, profile, leaders, 200)
+def drain_and_stop(proc: subprocess.Popen, profile, worker: int, run_dir, errors) -> None:
+    said, notice = drain(proc, profile, worker, 200)
     stopped = time.monotonic()
     assert "using the running local cluster 'preempt'" in "".join(said), said
     step, epoch, batch, epoch_end = notice.groups()[1:]
@@ -221,7 +219,7 @@ def train_worker(process: psutil.Process) -> bool:
         return False
 
 
-def drain(proc: subprocess.Popen, profile, leaders: dict, epochs: int):
+def drain(proc: subprocess.Popen, profile, worker_leader: int, epochs: int):
     """After the first epoch, the worker node drained (PREEMPTION, 6 s), and stopped well past
     the deadline; (the console so far, the notice's match)."""
     said = []
@@ -251,10 +249,10 @@ def drain(proc: subprocess.Popen, profile, leaders: dict, epochs: int):
     # stopped first would kill its workers, a failure that max_failures counts; under load that
     # can take longer than the deadline), the cloud takes the node: its processes stop.
     time.sleep(max(0.0, drained + 8 - time.time()))
-    node = psutil.Process(leaders["worker"])
+    node = psutil.Process(worker_leader)
     waited = time.monotonic()
     while any(train_worker(p) for p in node.children(recursive=True)):
         assert time.monotonic() - waited < 60, "the drained node's workers were never stopped"
         time.sleep(0.2)
-    os.killpg(leaders["worker"], signal.SIGTERM)
+    os.killpg(worker_leader, signal.SIGTERM)
     return said, notice
