@@ -109,9 +109,10 @@ def test_a_run_leaves_its_pictures_and_tensorboard_curves(digits_run, tmp_path):
 
 
 def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_cluster, tmp_path):
-    """Through the library, on the session's cluster (Ray is evaluate's and predict's default; the
+    """Through the library, on the session's cluster (a process joined to Ray evaluates there; the
     commands are one call each; their errors go through the command below and in
-    test_bad_input); then `--local`, which must give the same answers."""
+    test_bad_input); then the commands on one machine, which run in local mode by default and
+    must give the same answers."""
     from raytrain_app.inference import scoring
 
     run_dir, _ = digits_run
@@ -143,15 +144,17 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_clust
     assert correct == last["eval_accuracy"]
     assert all(0.1 <= p <= 1 for p in preds.column("probability").to_pylist())
 
-    # In local mode, through the commands: no cluster, the same numbers, the same predictions.
-    local = forked("evaluate", str(run_dir), "--checkpoint", "latest", "--local")
+    # The commands, with no flag: local mode (no cluster), the same numbers, the same predictions.
+    local = forked("evaluate", str(run_dir), "--checkpoint", "latest")
     assert local.returncode == 0 and local.stdout.startswith("evaluating checkpoint_") and \
         ": 1 worker, local mode\n" in local.stdout, local.stderr
     assert json.loads(written.read_text())["metrics"] == metrics  # rewritten, the same
     assert re.search(rf"^eval_accuracy +{metrics['eval_accuracy']:.6g}$", local.stdout, re.M)
-    local = forked("predict", str(run_dir), "--checkpoint", "latest", "--local", "--input",
+    local = forked("predict", str(run_dir), "--checkpoint", "latest", "--input",
                    str(tmp_path / "new.parquet"), "--output", str(tmp_path / "local.parquet"))
     assert local.returncode == 0 and f"{len(y_eval)} predictions in" in local.stdout, local.stderr
+    assert local.stdout.startswith(f"predicting {tmp_path / 'new.parquet'} with checkpoint_") and \
+        " over 1 worker, in this process\n" in local.stdout, local.stdout
     assert pq.read_table(tmp_path / "local.parquet").equals(preds)
     refused = forked("evaluate", str(run_dir), "--local", "--workers", "2")
     assert refused.returncode == 2 and refused.stderr.strip() == ("error: --local runs one worker in this process: "
@@ -167,6 +170,30 @@ def test_evaluate_and_predict_reproduce_the_runs_last_eval(digits_run, ray_clust
         "[1, 8, 8]" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     proc = forked("predict", str(run_dir), "--input", str(tmp_path / "new.parquet"), "--output", "/proc/preds.parquet")
     assert proc.returncode == 2 and "is not writable" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_evaluate_and_predict_run_in_this_process_by_default_where_nothing_is_lost(monkeypatch):
+    """As `train` chooses local mode: not with --workers or --address, a cluster to use, GPU
+    workers (N GPUs that one process would not use), or what needs Ray; a run that trained on Ray
+    (scaling.local: false) scores the same in local mode."""
+    from raytrain_app.config import JobConfig
+    from raytrain_app.inference.scoring import in_this_process
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    digits = yaml.safe_load(open(os.path.join(REPO, "examples", "digits.yaml")))
+
+    def job(**scaling):
+        return JobConfig.from_dict({**digits, "scaling": {**digits.get("scaling", {}), **scaling}})
+
+    assert in_this_process(job(), None, None, False) and in_this_process(job(local=False), None, None, False)
+    assert not in_this_process(job(), None, None, True)  # a process joined to Ray (a notebook's ray.init())
+    assert not in_this_process(job(), 2, None, False) and not in_this_process(job(), None, "127.0.0.1:6379", False)
+    assert not in_this_process(job(gpus_per_worker=1), None, None, False)
+    raydata = JobConfig.from_dict({**digits, "data": {"name": "parquet", "engine": "ray_data",
+                                                      "args": {"path": "a", "eval_path": "b"}}})
+    assert not in_this_process(raydata, None, None, False)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside a Ray job
+    assert not in_this_process(job(), None, None, False)
 
 
 def test_runs_lists_the_run_as_finished(digits_run):

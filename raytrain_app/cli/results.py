@@ -14,8 +14,10 @@ CHECKPOINT = click.option("--checkpoint", "which", metavar="best|latest|NAME",
 
 ADDRESS = click.option("--address", help="Run on the cluster at this GCS address (as for train); default: the "
                                          "cluster train would use.")
-LOCAL = click.option("--local", is_flag=True, help="One worker in this process, through Ray Train's local mode: "
-                                                   "no Ray cluster (the answer in seconds).")
+LOCAL = click.option("--local/--ray", "local", default=None,
+                     help="--local: one worker in this process, through Ray Train's local mode, with no Ray cluster "
+                          "(the answer in seconds); --ray: on a Ray cluster. Default: local where nothing is lost "
+                          "(no --workers or --address, no cluster up to use, a run without GPUs), else Ray.")
 
 
 @main.command()
@@ -25,7 +27,7 @@ LOCAL = click.option("--local", is_flag=True, help="One worker in this process, 
               help="The run's split to score.")
 @click.option("--data", "data_file", metavar="FILE", help="Score this labelled Parquet or CSV file instead (path "
                                                           "or URI), with the columns the run trained on.")
-@click.option("--workers", type=int, help="Workers (default: the run's); the metrics are exact at any number.")
+@click.option("--workers", type=int, help="Workers on Ray (default: the run's); the metrics are exact at any number.")
 @ADDRESS
 @LOCAL
 @VERBOSE
@@ -37,7 +39,7 @@ def evaluate(run_dir, which, data_set, data_file, workers, address, local, verbo
 
     \b
     Examples:
-      raytrain-app evaluate runs/digits-20261123-101500 --local
+      raytrain-app evaluate runs/digits-20261123-101500
       raytrain-app evaluate runs/digits-20261123-101500 --checkpoint latest --data-set train --workers 4
       raytrain-app evaluate runs/churn-20261123-101500 --data new-customers-with-outcomes.csv
     """
@@ -58,7 +60,7 @@ def evaluate(run_dir, which, data_set, data_file, workers, address, local, verbo
                                                             "name ending in .csv, Parquet for .parquet, .pq or no "
                                                             "suffix.")
 @CHECKPOINT
-@click.option("--workers", type=int, help="Parallel tasks (default: the run's workers).")
+@click.option("--workers", type=int, help="Parallel Ray tasks (default: the run's workers).")
 @click.option("--batch-size", type=int, default=1024, show_default=True, help="Rows per forward pass.")
 @ADDRESS
 @LOCAL
@@ -70,7 +72,7 @@ def predict(run_dir, input_path, output, which, workers, batch_size, address, lo
 
     \b
     Examples:
-      raytrain-app predict runs/digits-20261123-101500 --input new.parquet --output preds.parquet --local
+      raytrain-app predict runs/digits-20261123-101500 --input new.parquet --output preds.parquet
       raytrain-app predict runs/churn-20261123-101500 --input new-customers.csv --output preds.parquet
       raytrain-app predict s3://b/runs/r1 --input s3://b/new.parquet --output s3://b/preds.parquet --workers 8
     """

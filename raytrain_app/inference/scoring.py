@@ -1,4 +1,5 @@
-"""Use a trained checkpoint on the cluster: `evaluate` it again, or `predict` new rows with it.
+"""Use a trained checkpoint: `evaluate` it again, or `predict` new rows with it, in this process
+(Ray Train's local mode, the default where nothing is lost) or on a Ray cluster.
 
 `evaluate` is the training loop's own exact evaluation (every sample once, sums all-reduced over
 the ranks), run by Ray Train on any number of workers, so its numbers are the ones training
@@ -21,7 +22,7 @@ import json
 import os
 import posixpath
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from raytrain_app import rundir, storage
@@ -56,10 +57,13 @@ class Loaded:
         chosen = rundir.choose(run_dir, which)
         saved = checkpoints.for_inference(chosen.path, weights=False)
         job = JobConfig.from_dict(saved["config"], source=chosen.path)
+        loaded = cls(chosen, job, tuple(saved["input_shape"]), saved["preprocess"], saved.get("class_weights"))
         # A training range is not an evaluation's: it runs at a size, the range's largest unless asked.
         size = workers or job.scaling.max_workers
-        return cls(chosen, updated(job, {"scaling": {"workers": size}}) if size != job.scaling.workers else job,
-                   tuple(saved["input_shape"]), saved["preprocess"], saved.get("class_weights"))
+        return loaded.sized(size) if size != job.scaling.workers else loaded
+
+    def sized(self, workers: int) -> "Loaded":
+        return replace(self, job=updated(self.job, {"scaling": {"workers": workers}}))
 
     @property
     def directory(self) -> str:
@@ -82,16 +86,16 @@ class Loaded:
 
 def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str = "eval",
              workers: Optional[int] = None, address: Optional[str] = None, verbose: bool = False,
-             echo: Callable[[str], None] = print, data: Optional[str] = None, local: bool = False) -> dict:
+             echo: Callable[[str], None] = print, data: Optional[str] = None, local: Optional[bool] = None) -> dict:
     """The task's metrics of a run's checkpoint over a whole split of the run's data, or over
     the labelled Parquet or CSV file `data`, computed as training does. Written to
     RUN_DIR/evaluations/CHECKPOINT-SPLIT.json (SPLIT: eval, train, or file-NAME), for
     classification with per-class precision, recall, F1 and the confusion matrix (also as a PNG).
-    `local`: one worker in this process, through Ray Train's local mode (no cluster)."""
+    `local`: one worker in this process, through Ray Train's local mode (no cluster), or on Ray
+    (False); None chooses (see `_placed`)."""
     if data_set not in DATA_SETS:
         raise UserError(f"--data-set must be one of {', '.join(DATA_SETS)}, got {data_set}")
-    _one_machine(local, workers, address)
-    loaded = Loaded.find(run_dir, checkpoint_name, 1 if local else workers)
+    loaded, local = _placed(run_dir, checkpoint_name, workers, address, local)
     loaded.check_builders(with_data=data is None)
     evaluations = storage.join(storage.parent(loaded.directory), "evaluations")  # checkpoints are in the run dir
     split = f"file-{posixpath.basename(data).split('.')[0]}" if data else data_set
@@ -106,9 +110,31 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
         held.release()
 
 
-def _one_machine(local: bool, workers: Optional[int], address: Optional[str]) -> None:
+def _placed(run_dir: str, which: Optional[str], workers: Optional[int], address: Optional[str],
+            local: Optional[bool]) -> tuple[Loaded, bool]:
+    """The chosen checkpoint, sized for where it runs, and whether that is local mode: as `local`
+    says (True: --local, False: --ray), else as `in_this_process` decides."""
     if local and (address or (workers or 1) > 1):
         raise UserError("--local runs one worker in this process: drop --workers and --address, or --local")
+    loaded = Loaded.find(run_dir, which, 1 if local else workers)
+    if local is None:
+        from raytrain_app.cluster.session import ray_connected
+
+        local = in_this_process(loaded.job, workers, address, ray_connected())
+        if local and loaded.job.scaling.workers != 1:
+            loaded = loaded.sized(1)
+    return loaded, local
+
+
+def in_this_process(job: JobConfig, workers: Optional[int], address: Optional[str], ray_connected: bool) -> bool:
+    """Whether `evaluate` and `predict` run without a cluster by default: where nothing is lost,
+    as `train` chooses (driver/local.choose): no --workers or --address, no cluster joined or up
+    to use, a job that needs nothing of Ray, and workers without GPUs, whose N GPUs one process
+    would not use. How the run itself trained does not matter: a checkpoint scores the same."""
+    from raytrain_app.driver import local as local_mode
+
+    return not (workers or address or job.scaling.gpus_per_worker) and local_mode.choose(
+        updated(job, {"scaling": {"local": "auto"}}), None, 1, ray_connected)
 
 
 def _scored(loaded: "Loaded", out: str, split: str, data_set: str, address: Optional[str], verbose: bool,
@@ -229,17 +255,16 @@ def _labelled_input(loaded: Loaded, path: str, scratch: str) -> str:
 
 def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optional[str] = None,
             workers: Optional[int] = None, batch_size: int = 1024, address: Optional[str] = None,
-            verbose: bool = False, echo: Callable[[str], None] = print, local: bool = False) -> int:
+            verbose: bool = False, echo: Callable[[str], None] = print, local: Optional[bool] = None) -> int:
     """Write the model's predictions for every row of a Parquet or CSV file to `output`, in the
     input's order, with the row number (and the input's `id` column, if it has one); returns the
     row count. The input holds the training data's feature columns by name (in any order, other
     columns ignored) or the one packed column it had, with raw values: the model preprocesses
     them as training did. Classification: `prediction` (the class) and `probability`;
     regression: `prediction` (the value, or a list for several targets). `local`: in this process,
-    with no Ray cluster."""
-    _one_machine(local, workers, address)
+    with no Ray cluster, or on Ray (False); None chooses (see `_placed`)."""
     output_format(output)
-    loaded = Loaded.find(run_dir, checkpoint_name, 1 if local else workers)
+    loaded, local = _placed(run_dir, checkpoint_name, workers, address, local)
     loaded.check_builders(with_data=False)
     if loaded.job.task.name not in ("classification", "regression"):
         raise UserError(f"predict writes classification and regression outputs; this run's task is "
