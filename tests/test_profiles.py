@@ -144,3 +144,25 @@ def test_cluster_up_and_down_start_only_what_is_theirs(tmp_path, fields, owner):
     for verb in (cluster_up, cluster_down):
         with pytest.raises(UserError, match=re.escape(owner)):
             verb(load_profile(str(tmp_path / "p.yaml")), print)
+
+
+def test_a_fixed_port_among_the_kernels_outgoing_ports_is_refused_saying_so(tmp_path):
+    """Any outgoing connection may hold a port of the kernel's ephemeral range (a listening socket
+    here takes one, as a client's connection would): a profile's fixed port there is refused
+    with that cause and the way out, before any node starts."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # from the ephemeral range, as a connection's own port is
+        taken.listen()
+        port = taken.getsockname()[1]
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        assert low <= port <= high
+        (tmp_path / "p.yaml").write_text(yaml.safe_dump({"name": "eph", "address": "local", "nodes": 1,
+                                                         "local": {"port": port}}))
+        with pytest.raises(UserError) as refused:
+            cluster_up(load_profile(str(tmp_path / "p.yaml")), print)
+    assert str(refused.value) == (
+        f"{tmp_path / 'p.yaml'}: local.port {port}: port {port} is in use (ports {low}-{high} are the kernel's for "
+        f"outgoing connections, which take any of them at any time): choose ports below {low}, or leave local's "
+        "ports out to have free ones chosen")

@@ -182,8 +182,12 @@ def _choose_ports(profile: ClusterProfile) -> dict[str, int]:
         if given is not None:
             busy = next((p for p in range(given, given + width) if not _free(p)), None)
             if busy is not None:
-                raise UserError(f"{profile.source}: local.{name} {given}: port {busy} is in use (another user's "
-                                "cluster, or another program): leave local's ports out to have free ones chosen")
+                low, high = _ephemeral_ports()
+                why = (f"ports {low}-{high} are the kernel's for outgoing connections, which take any of them at "
+                       f"any time): choose ports below {low}, or" if given + width > low and given <= high else
+                       "another user's cluster, or another program):")
+                raise UserError(f"{profile.source}: local.{name} {given}: port {busy} is in use ({why} leave local's "
+                                "ports out to have free ones chosen")
         else:
             given = _free_block(width, taken)
         ports[name] = given
@@ -200,6 +204,16 @@ def _free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel gives outgoing connections their local ports from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):  # not Linux: its default
+        return 32768, 60999
 
 
 def _free_block(width: int, taken: set[int]) -> int:
