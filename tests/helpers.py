@@ -58,18 +58,18 @@ def index_data(train_size: int = 20, eval_size: int = 5):
 class Recorder(nn.Module):
     """Appends every training batch's sample indices to out_dir/rank-R.txt (rank-R-PID.txt
     `per_process`: a restarted group's apart), one line per batch, and the dropout mask the batch
-    drew to out_dir/dropout-R.txt. While the file `hold` exists, each training batch takes 20 ms
+    drew to out_dir/dropout-R.txt. While the file `hold` exists, each training batch takes `hold_s`
     longer: a test paces the run while it changes the cluster under it."""
 
-    def __init__(self, out_dir: str, per_process: bool = False, hold: Optional[str] = None):
+    def __init__(self, out_dir: str, per_process: bool = False, hold: Optional[str] = None, hold_s: float = 0.02):
         super().__init__()
-        self.out_dir, self.per_process, self.hold = out_dir, per_process, hold
+        self.out_dir, self.per_process, self.hold, self.hold_s = out_dir, per_process, hold, hold_s
         self.linear = nn.Linear(1, 2)
         self.dropout = nn.Dropout(0.5)
 
     def forward(self, x):
         if self.training and self.hold and os.path.exists(self.hold):
-            time.sleep(0.02)
+            time.sleep(self.hold_s)
         if self.training and x.shape[0] > 1:
             rank = ray.train.get_context().get_world_rank()
             name = f"rank-{rank}-{os.getpid()}" if self.per_process else f"rank-{rank}"
@@ -80,8 +80,8 @@ class Recorder(nn.Module):
         return self.linear(x * 0.01)
 
 
-def recorder(out_dir: str, per_process: bool = False, hold: Optional[str] = None) -> nn.Module:
-    return Recorder(out_dir, per_process, hold)
+def recorder(out_dir: str, per_process: bool = False, hold: Optional[str] = None, hold_s: float = 0.02) -> nn.Module:
+    return Recorder(out_dir, per_process, hold, hold_s)
 
 
 class Paced(nn.Module):

@@ -91,15 +91,18 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
     run_dir, seen, hold = tmp_path / "run", tmp_path / "seen", tmp_path / "hold"
     seen.mkdir()
     hold.touch()
-    epochs, size = 16, 2000  # (about 5 held epochs pass before the group has grown back)
+    # About 3 held epochs pass before the group has grown back (50 ms a batch); the rest go at full
+    # speed, and are what the test's CPU goes to.
+    epochs, size = 8, 2000
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
         "name": "elastic", "data": {"name": "tests.helpers:index_data", "args": {"train_size": size, "eval_size": 5}},
         "model": {"name": "tests.helpers:recorder", "args": {"out_dir": str(seen), "per_process": True,
-                                                             "hold": str(hold)}},
-        # Checkpoints every 100 steps, never at an epoch's end (250 steps at either size): every
-        # restart resumes inside an epoch, whose rest the new world's ranks are dealt.
-        "train": {"epochs": epochs, "batch_size": 4}, "checkpoint": {"every_steps": 100, "every_epochs": 100},
+                                                             "hold": str(hold), "hold_s": 0.05}},
+        # Checkpoints every 90 steps, never at an epoch's end (250 steps at either size, and 2250
+        # is past the last epoch): every restart resumes inside an epoch, whose rest the new
+        # world's ranks are dealt.
+        "train": {"epochs": epochs, "batch_size": 4}, "checkpoint": {"every_steps": 90, "every_epochs": 100},
         "strategy": {"name": "fsdp"},
         "scaling": {"workers": "1:2", "resize_interval_s": 2}, "failure": {"placement_timeout_s": 60},
         "tracking": {"tensorboard": False, "report_png": False}}))
