@@ -133,12 +133,14 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     assert count == 150 and preds.column("id").to_pylist() == list(range(1000, 1150))
     assert (preds.column("prediction").to_numpy() == truth).mean() == result.best_metrics["eval_accuracy"]
 
-    # The converter's label-less mode gives the same rows as Parquet, and the same predictions.
+    # The converter's label-less mode gives the same rows as Parquet, and the same predictions;
+    # an output's missing folders are made, as on object storage (no folders to make there).
     pv.write_csv(rows.drop(["plan"]), "new-rows.csv")
     to_parquet("csv", "new-rows.csv", "new-parquet", "--no-label")
-    scoring.predict(result.run_dir, "new-parquet/part-00000.parquet", "preds2.parquet", echo=lambda line: None,
-                    local=True)
-    assert pq.read_table("preds2.parquet").column("prediction").to_pylist() == preds.column("prediction").to_pylist()
+    scoring.predict(result.run_dir, "new-parquet/part-00000.parquet", "out/today/preds2.parquet",
+                    echo=lambda line: None, local=True)
+    assert pq.read_table("out/today/preds2.parquet").column("prediction").to_pylist() == \
+        preds.column("prediction").to_pylist()
 
     # An output named .csv is CSV, with what the Parquet holds: a spreadsheet's reader gets the same rows.
     proc = command(["predict", result.run_dir, "--input", "new.csv", "--output", "preds.csv", "--checkpoint", "best",
