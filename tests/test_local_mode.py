@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 
 import pytest
 import torch
@@ -137,6 +138,42 @@ def test_ctrl_c_and_sigterm_stop_every_worker_process_and_leave_whole_checkpoint
         assert not list(run_dir.rglob("*.tmp"))
         kept = sorted(d for d in run_dir.glob("checkpoint_*") if d.is_dir())
         assert kept and all(checkpoint.verify(str(d), r) is None for d in kept for r in (0, 1))
+
+
+def test_a_driver_killed_outright_leaves_no_worker_process_behind(tmp_path):
+    """SIGKILL (the OOM killer's) on the driver while rank 1 sleeps in a stalled step and rank 0
+    waits for it in the all-reduce: neither would notice (rank 0 waits on a live peer for
+    scaling.timeout_s), and each is a session of its own, out of the driver's process group's
+    reach. Both end with the driver, and their fork server with them (found left over, 576 MB,
+    after a sweep's Ctrl-C had ended a trial whose rank had just finished)."""
+    import psutil
+
+    marker = tmp_path / "stall"
+    marker.touch()
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--local",
+                             "--run-dir", str(tmp_path / "run"), "--set", "model.name=tests.helpers:faulty_mlp",
+                             "--set", f"model.args={{marker: '{marker}', at: 3, rank: 1, fault: stall}}"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    ranks, server = [], None
+    try:
+        deadline = time.monotonic() + 60
+        while marker.exists():  # rank 1 takes it as it stalls
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        [server] = [p for p in psutil.Process(proc.pid).children() if "forkserver" in " ".join(p.cmdline())]
+        ranks = server.children()
+        assert len(ranks) == 2 and all(os.getsid(p.pid) == p.pid for p in ranks), ranks
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        _, left = psutil.wait_procs([*ranks, server], timeout=15)
+        assert not left, left
+    finally:
+        for p in [*ranks, *([server] if server else [])]:  # what a failed assertion would leave: ours, by pid
+            with suppress(psutil.Error):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_sigusr1_checkpoints_mid_epoch_and_stops_and_resume_trains_every_sample_once(tmp_path):

@@ -206,8 +206,9 @@ def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
                               start_method="forkserver", logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL))
         arguments = os.path.join(scratch, "worker-args.pkl")  # private to this user: it holds the inbox's key
         with open(arguments, "wb") as f:
-            # This process's environment now: the fork server has the one of its own start.
-            pickle.dump(dict(os.environ), f)
+            # This process's pid (each rank ends with it) and its environment now: the fork server
+            # has the one of its own start.
+            pickle.dump((os.getpid(), dict(os.environ)), f)
             cloudpickle.dump(args, f)
         try:
             with _main_script_hidden(), handlers_kept():  # the launcher sets its own and leaves them

@@ -17,6 +17,9 @@ import functools
 import logging
 import os
 import pickle
+import select
+import signal
+import threading
 import time
 from contextlib import suppress
 from multiprocessing.connection import Client
@@ -62,6 +65,25 @@ def in_local_mode(function, name: Optional[str] = None) -> None:
                  run_config=ray.train.RunConfig(name=name)).fit()
 
 
+def _ends_with(driver: int) -> None:
+    """SIGKILL for this rank when the driver that launched it ends: a driver killed outright
+    (SIGKILL, the OOM killer, Tune ending a sweep's trial) leaves no rank behind. Nothing else
+    would end it: in a session of its own it is out of reach of the driver's process group, and a
+    rank that sleeps in a stalled step, waits in a collective on a live peer (up to
+    scaling.timeout_s), or has finished (torch's launcher then waits for the driver to read its
+    result) never notices the driver is gone. Its fork server outlives the driver too: each
+    process it forks holds the pipe whose end would stop it. Linux's pidfd says when, unpolled."""
+    if not hasattr(os, "pidfd_open"):  # (not Linux)
+        return
+
+    def watch() -> None:
+        with suppress(ProcessLookupError):  # (gone already)
+            select.select([os.pidfd_open(driver)], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="driver-watch", daemon=True).start()
+
+
 # How long a rank whose collective a dead peer broke waits before it ends.
 PEER_GRACE_S = 2.0
 
@@ -84,10 +106,11 @@ def main(arguments: str) -> None:
     with suppress(OSError):  # already a session's leader
         os.setsid()
     with open(arguments, "rb") as f:
-        # The driver's environment at this launch (the fork server has the one of its own start;
-        # multiprocessing brings the driver's import path and directory), with this rank's
-        # variables that the launcher set.
-        environment = pickle.load(f)
+        # The driver's pid and its environment at this launch (the fork server has the one of its
+        # own start; multiprocessing brings the driver's import path and directory), with this
+        # rank's variables that the launcher set.
+        driver, environment = pickle.load(f)
+        _ends_with(driver)
         launcher = {k: v for k, v in os.environ.items() if k in _LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_")}
         os.environ.clear()
         os.environ.update({**environment, **launcher})
