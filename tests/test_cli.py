@@ -177,7 +177,7 @@ def test_evaluate_and_predict_run_in_this_process_by_default_where_nothing_is_lo
     workers (N GPUs that one process would not use), or what needs Ray; a run that trained on Ray
     (scaling.local: false) scores the same in local mode."""
     from raytrain_app.config import JobConfig
-    from raytrain_app.inference.scoring import in_this_process
+    from raytrain_app.inference.scoring import local_by_default
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     digits = yaml.safe_load(open(os.path.join(REPO, "examples", "digits.yaml")))
@@ -185,15 +185,15 @@ def test_evaluate_and_predict_run_in_this_process_by_default_where_nothing_is_lo
     def job(**scaling):
         return JobConfig.from_dict({**digits, "scaling": {**digits.get("scaling", {}), **scaling}})
 
-    assert in_this_process(job(), None, None, False) and in_this_process(job(local=False), None, None, False)
-    assert not in_this_process(job(), None, None, True)  # a process joined to Ray (a notebook's ray.init())
-    assert not in_this_process(job(), 2, None, False) and not in_this_process(job(), None, "127.0.0.1:6379", False)
-    assert not in_this_process(job(gpus_per_worker=1), None, None, False)
+    assert local_by_default(job(), None, None, False) and local_by_default(job(local=False), None, None, False)
+    assert not local_by_default(job(), None, None, True)  # a process joined to Ray (a notebook's ray.init())
+    assert not local_by_default(job(), 2, None, False) and not local_by_default(job(), None, "127.0.0.1:6379", False)
+    assert not local_by_default(job(gpus_per_worker=1), None, None, False)
     raydata = JobConfig.from_dict({**digits, "data": {"name": "parquet", "engine": "ray_data",
                                                       "args": {"path": "a", "eval_path": "b"}}})
-    assert not in_this_process(raydata, None, None, False)
+    assert not local_by_default(raydata, None, None, False)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside a Ray job
-    assert not in_this_process(job(), None, None, False)
+    assert not local_by_default(job(), None, None, False)
 
 
 def test_runs_lists_the_run_as_finished(digits_run):

@@ -113,20 +113,20 @@ def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str 
 def _placed(run_dir: str, which: Optional[str], workers: Optional[int], address: Optional[str],
             local: Optional[bool]) -> tuple[Loaded, bool]:
     """The chosen checkpoint, sized for where it runs, and whether that is local mode: as `local`
-    says (True: --local, False: --ray), else as `in_this_process` decides."""
+    says (True: --local, False: --ray), else as `local_by_default` decides."""
     if local and (address or (workers or 1) > 1):
         raise UserError("--local runs one worker in this process: drop --workers and --address, or --local")
     loaded = Loaded.find(run_dir, which, 1 if local else workers)
     if local is None:
         from raytrain_app.cluster.session import ray_connected
 
-        local = in_this_process(loaded.job, workers, address, ray_connected())
+        local = local_by_default(loaded.job, workers, address, ray_connected())
         if local and loaded.job.scaling.workers != 1:
             loaded = loaded.sized(1)
     return loaded, local
 
 
-def in_this_process(job: JobConfig, workers: Optional[int], address: Optional[str], ray_connected: bool) -> bool:
+def local_by_default(job: JobConfig, workers: Optional[int], address: Optional[str], ray_connected: bool) -> bool:
     """Whether `evaluate` and `predict` run without a cluster by default: where nothing is lost,
     as `train` chooses (driver/local.choose): no --workers or --address, no cluster joined or up
     to use, a job that needs nothing of Ray, and workers without GPUs, whose N GPUs one process
