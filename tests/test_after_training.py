@@ -290,3 +290,23 @@ def test_the_readmes_raw_row_example_runs_on_this_run(trained, monkeypatch, caps
     probabilities = namespace["model"](namespace["rows"]).softmax(1)
     assert probabilities.shape == (1, 3) and float(probabilities.sum()) == pytest.approx(1.0)
     assert "Linear(in_features=5" in capsys.readouterr().out  # the model as built, printed
+
+
+@pytest.mark.ray
+def test_a_shipped_runs_relative_data_path_means_the_project_folder_to_workers_elsewhere(ray_cluster, tmp_path,
+                                                                                          monkeypatch):
+    """A run whose job shipped its working_dir records its data path as written (relative). From
+    the project folder, `evaluate` on a cluster whose workers run in another directory (here the
+    session's, started in the repository) reads the project's file, as local mode does."""
+    project = tmp_path / "project"
+    project.mkdir()
+    pq.write_table(customers(200, 0), project / "train.parquet")
+    monkeypatch.chdir(project)
+    job = {"name": "rel", "model": {"name": "mlp"}, "train": {"epochs": 1}, "scaling": {"workers": 1},
+           "data": {"name": "parquet", "args": {"path": "train.parquet", "features": FEATURES, "label": "plan"}}}
+    monkeypatch.setenv("RAYTRAIN_SHIPPED_FROM", str(project))  # as inside a submitted job: paths kept as written
+    result = raytrain_app.fit(job, run_dir=str(project / "run"), local=True, echo=lambda line: None)
+    monkeypatch.delenv("RAYTRAIN_SHIPPED_FROM")
+    assert "path: train.parquet" in (project / "run" / rundir.CONFIG).read_text()
+    on_ray = scoring.evaluate(result.run_dir, echo=lambda line: None)  # joined: the session's cluster
+    assert on_ray == scoring.evaluate(result.run_dir, echo=lambda line: None, local=True)

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 from raytrain_app import rundir, storage
 from raytrain_app.cluster.session import cluster_for
 from raytrain_app.config import JobConfig, registry, updated
+from raytrain_app.config.resolve import absolute_paths
 from raytrain_app.console import count
 from raytrain_app.data import tables
 from raytrain_app.data.preprocess import feature_columns
@@ -56,7 +57,9 @@ class Loaded:
     def find(cls, run_dir: str, which: Optional[str], workers: Optional[int]) -> "Loaded":
         chosen = rundir.choose(run_dir, which)
         saved = checkpoints.for_inference(chosen.path, weights=False)
-        job = JobConfig.from_dict(saved["config"], source=chosen.path)
+        # Data paths as a shipped working_dir's run records them (relative) mean this folder, the
+        # project's: absolute, they mean it to workers too, on a cluster that runs them elsewhere.
+        job = absolute_paths(JobConfig.from_dict(saved["config"], source=chosen.path))
         loaded = cls(chosen, job, tuple(saved["input_shape"]), saved["preprocess"], saved.get("class_weights"))
         # A training range is not an evaluation's: it runs at a size, the range's largest unless asked.
         size = workers or job.scaling.max_workers
