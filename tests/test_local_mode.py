@@ -251,8 +251,19 @@ def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_pat
     assert not choose(job(), None, 1, ray_connected=True)  # a notebook's ray.init(): train there
     assert not choose(ray_data, None, 1, ray_connected=False)
     assert not choose(job(scaling={"local": False}), None, 1, ray_connected=False)
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside a Ray job
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside a Ray job, or on a cluster's head
     assert not choose(job(), None, 1, ray_connected=False)
+
+    # Where local mode is not chosen for it, $RAY_ADDRESS's cluster is joined, as a plain ray.init() joins it;
+    # a URL there names no cluster to train on (a dashboard's for `ray job submit`, Ray Client's).
+    from raytrain_app.cluster import session
+
+    monkeypatch.setattr(session, "ray_connected", lambda: False)  # as in a fresh `train`, whatever this process joined
+    assert session.choose_cluster(None, 2, 1, 0).address == "127.0.0.1:6379"
+    assert session.choose_cluster("local", 2, 1, 0).address is None
+    for url in ("http://127.0.0.1:8265", "ray://127.0.0.1:10001"):
+        monkeypatch.setenv("RAY_ADDRESS", url)
+        assert choose(job(), None, 1, ray_connected=False) and session.choose_cluster(None, 2, 1, 0).address is None
 
 
 def test_smoke_runs_every_path_of_one_short_epoch_and_runs_shows_it(tmp_path):

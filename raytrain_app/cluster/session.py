@@ -50,20 +50,34 @@ def choose_cluster(address: Optional[str], workers: int, cpus_per_worker: float,
                    gpus_per_worker: float) -> ClusterChoice:
     """`--address`: HOST:PORT or `auto` joins that cluster, `local` always starts an embedded one.
     Without it, a process already connected to Ray (a library caller's) stays on that cluster; else
-    a local cluster that `cluster up` started is joined when it is idle and its nodes hold the
-    workers; else an embedded cluster starts."""
+    the cluster that $RAY_ADDRESS names is joined, as a plain `ray.init()` would; else a local
+    cluster that `cluster up` started is joined when it is idle and its nodes hold the workers;
+    else an embedded cluster starts."""
     if address == "local":
         return ClusterChoice()
     if address:
         return ClusterChoice(address)
     if ray_connected():
         return ClusterChoice(current=True)
+    named = address_from_environment()
+    if named:
+        return ClusterChoice(named, note=f"joining the cluster at $RAY_ADDRESS ({named}); --address local starts a "
+                                         "fresh one")
     running = running_local_cluster(workers, cpus_per_worker, gpus_per_worker)
     if running:
         return ClusterChoice(f"127.0.0.1:{running.ports()['port']}", running.ray_auth_env(),
                              note=f"using the running local cluster '{running.name}' (--address local starts a "
                                   "fresh one)")
     return ClusterChoice()
+
+
+def address_from_environment() -> Optional[str]:
+    """The GCS address (HOST:PORT) that $RAY_ADDRESS names: a machine's own cluster, where a shell
+    on its head (a Ray job's, a SLURM allocation's, a Kubernetes pod's) has it set. A URL there
+    names no GCS: `ray job submit` reads a dashboard's (http://), and Ray Client's (ray://) is not
+    how raytrain-app joins a cluster."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    return None if address in ("", "auto", "local") or "://" in address else address
 
 
 def ray_connected() -> bool:

@@ -35,7 +35,7 @@ from contextlib import contextmanager, suppress
 from multiprocessing.connection import Listener
 from typing import TYPE_CHECKING, Callable, Optional
 
-from raytrain_app.cluster.session import running_local_cluster
+from raytrain_app.cluster.session import address_from_environment, running_local_cluster
 from raytrain_app.config import JobConfig
 from raytrain_app.driver.signals import handlers_kept
 from raytrain_app.errors import CheckpointNotWritten, TrainingFailed, UserError, last_line
@@ -64,14 +64,14 @@ def cannot(config: JobConfig, address: Optional[str] = None, min_nodes: int = 1)
 
 def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connected: bool) -> bool:
     """Whether the run goes through local mode: as `scaling.local` says, and where it says auto,
-    whenever nothing Ray brings is asked for and no local cluster is up to join. Asked for by
-    name, what it cannot do is refused."""
+    whenever nothing Ray brings is asked for and no cluster is there to join ($RAY_ADDRESS's, or
+    one that `cluster up` started). Asked for by name, what it cannot do is refused."""
     s = config.scaling
     cannot_here = cannot(config, address, min_nodes)
     if s.local is True and cannot_here:
         raise UserError(f"--local (scaling.local: true): {cannot_here[0]}; drop --local, or what needs Ray")
-    if s.local == "auto":  # a cluster this process joined, or that `cluster up` started, is there to be used
-        return not (cannot_here or ray_connected or os.environ.get("RAY_ADDRESS")
+    if s.local == "auto":  # a cluster this process joined, $RAY_ADDRESS names or `cluster up` started is used
+        return not (cannot_here or ray_connected or address_from_environment()
                     or running_local_cluster(s.max_workers, s.cpus_per_worker, s.gpus_per_worker))
     return s.local
 
