@@ -39,9 +39,9 @@ from raytrain_app.errors import UserError
                                                     "start it (for jobs a scheduler may run again).")
 @click.option("--address", help="Join the running cluster at this GCS address (HOST:PORT; 'auto' reads "
                                 "$RAY_ADDRESS, as set inside Ray jobs); 'local' always starts an embedded "
-                                "cluster. Default: a local cluster `cluster up` started, if one is up and "
-                                "large enough; else local mode (see --local), or with --ray an embedded "
-                                "cluster.")
+                                "cluster. Default: the cluster at $RAY_ADDRESS if it holds a HOST:PORT; else "
+                                "a local cluster `cluster up` started, if one is up and large enough; else "
+                                "local mode (see --local), or with --ray an embedded cluster.")
 @MIN_NODES
 @NODE_TIMEOUT
 @MAX_FAILURES
