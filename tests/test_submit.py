@@ -328,6 +328,24 @@ def test_unknown_job_is_a_user_error(two_nodes):
     assert proc.returncode == 2 and "no job 'no-such-job'" in proc.stderr
 
 
+def test_joining_a_cluster_without_its_token_is_one_line_within_seconds(two_nodes, tmp_path):
+    """$RAY_ADDRESS names the cluster, as on its head node, and this shell lacks its token: Ray
+    would try 20 times a second apart, a warning line on the console each time, and then name
+    only the address."""
+    _, profile = two_nodes
+    address = f"127.0.0.1:{profile.ports()['port']}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(RAY_ADDRESS=address, RAYTRAIN_RUNNING_DIR=str(tmp_path / "no-local-clusters"))
+    start = time.monotonic()
+    proc = cli("train", "examples/digits.yaml", "--run-dir", str(tmp_path / "run"), env=env)
+    assert proc.returncode == 2 and time.monotonic() - start < 15
+    assert f"joining the cluster at $RAY_ADDRESS ({address})" in proc.stdout
+    assert proc.stderr == (f"error: cannot join the Ray cluster at {address}: it asks for its auth token, which this "
+                           "process lacks or has wrong: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH to the "
+                           "token's file\n")
+    assert "InvalidAuthToken" in (tmp_path / "run" / "logs" / "driver.log").read_text()  # Ray's own lines, kept
+
+
 def test_unreachable_cluster_fails_within_its_timeout(tmp_path):
     # A listener that accepts connections and never answers: the request must time out, not hang.
     server = socket.socket()

@@ -34,6 +34,7 @@ from raytrain_app.rayinternals import reload_auth_config, route_raylet_errors, s
 from raytrain_app.waiting import poll
 
 CONNECT_TIMEOUT_S = 5
+JOIN_TRIES = "5"  # of Ray's GCS connection when joining, a second apart (Ray's own default: 20)
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,42 @@ class NodeWatch(threading.Thread):
             os._exit(1)
 
 
+@contextmanager
+def _joining(log_file: Optional[str], verbose: bool) -> Iterator[None]:
+    """Ray's wait for a joined cluster's GCS, cut from 20 tries a second apart to `JOIN_TRIES`
+    (something answered at the address already: what fails now is the token, or the port's
+    owner), with the warning line its C++ client prints at each try kept off the console."""
+    ours = "RAY_gcs_server_port_wait_time_s" not in os.environ  # else the user's, kept
+    if ours:
+        os.environ["RAY_gcs_server_port_wait_time_s"] = JOIN_TRIES
+    quiet = not verbose
+    if quiet:
+        sys.stderr.flush()
+        console = os.dup(2)
+        with open(log_file or os.devnull, "a") as f:
+            os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        if quiet:
+            sys.stderr.flush()
+            os.dup2(console, 2)
+            os.close(console)
+        if ours:
+            os.environ.pop("RAY_gcs_server_port_wait_time_s", None)
+
+
+def _not_joined(e: BaseException) -> str:
+    """Why ray.init could not join, in words: Ray nests the token's refusal in a traceback's text."""
+    text, cause = "", e
+    while cause is not None:
+        text, cause = text + str(cause), cause.__cause__ or cause.__context__
+    if "InvalidAuthToken" in text:
+        return ("it asks for its auth token, which this process lacks or has wrong: set RAY_AUTH_MODE=token and "
+                "RAY_AUTH_TOKEN_PATH to the token's file")
+    return last_line(e)
+
+
 def _is_raylet(process: psutil.Process, socket_name: str) -> bool:
     try:
         return process.name() == "raylet" and f"--raylet_socket_name={socket_name}" in process.cmdline()
@@ -348,11 +385,13 @@ def connected(address: str, log_dir: Optional[str] = None, verbose: bool = False
             reload_auth_config()
     import ray
 
-    route_ray_logs(os.path.join(log_dir, "driver.log") if log_dir else None, verbose)
+    log_file = os.path.join(log_dir, "driver.log") if log_dir else None
+    route_ray_logs(log_file, verbose)
     try:
-        ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
+        with _joining(log_file, verbose):
+            ray.init(address=address, log_to_driver=verbose, logging_level=logging.INFO)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
-        raise UserError(f"cannot join the Ray cluster at {address}: {last_line(e)}") from None
+        raise UserError(f"cannot join the Ray cluster at {address}: {_not_joined(e)}") from None
     if not verbose:
         route_raylet_errors(logging.getLogger("ray").warning)
     try:
