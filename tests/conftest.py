@@ -14,6 +14,13 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Ray starts its workers at niceness 15, below every other process of the suite. Beside the other
+# xdist process's local-mode ranks and commands, a Ray test's workers got a few percent of a core:
+# a sweep's resume ran past pytest's 300 s, every trial's worker starved (a CI rehearsal, and
+# twice of two with the machine kept busy). Every Ray the tests start (the session's, `train`'s
+# embedded ones, `cluster up`'s nodes, SLURM's) inherits this, and shares the cores evenly.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 
 # Modules whose every test runs Ray itself (a cluster of its own, the Jobs API, SLURM's Ray, Tune,
 # Ray Data, a script under Ray Train's controller); elsewhere a test that needs Ray asks for the
