@@ -10,7 +10,8 @@ its own:
     python -m pytest -n 0 -p benchmarks.suite_cpu                  # the whole suite, about 40 min on 2 cores
     python -m pytest -n 0 -p benchmarks.suite_cpu tests/test_sweep.py
 
-Each test's row is also appended to suite-cpu.jsonl (SUITE_CPU_FILE), to compare two runs.
+Each test's row is also appended to suite-cpu.jsonl (SUITE_CPU_FILE), to compare two runs. The
+summary ends with the tests whose `slow` marker the count contradicts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import psutil
 import pytest
 
 FILE = os.environ.get("SUITE_CPU_FILE", "suite-cpu.jsonl")
+SLOW_CPU_S = 10  # what `@pytest.mark.slow` means (pyproject.toml)
 _rows: list[dict] = []
 
 
@@ -36,7 +38,8 @@ def _busy_s() -> float:
 def pytest_runtest_protocol(item, nextitem):
     cpu, wall = _busy_s(), time.monotonic()
     yield
-    row = {"test": item.nodeid, "cpu_s": round(_busy_s() - cpu, 1), "wall_s": round(time.monotonic() - wall, 1)}
+    row = {"test": item.nodeid, "cpu_s": round(_busy_s() - cpu, 1), "wall_s": round(time.monotonic() - wall, 1),
+           "slow": item.get_closest_marker("slow") is not None}
     _rows.append(row)
     with open(FILE, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -57,3 +60,7 @@ def pytest_terminal_summary(terminalreporter):
         say(f"{c:8.0f} {c / cpu:6.1%} {w:8.0f} {n:6d}  {name}")
     say(f"{cpu:8.0f} {'':6} {wall:8.0f} {len(_rows):6d}  in all; on {cores} cores that is at least "
         f"{cpu / cores / 60:.1f} min of wall time, whatever the processes")
+    # The `slow` marker keeps `-m "not slow"` an inner loop only while it names the costly tests.
+    for row in _rows:
+        if row["slow"] != (row["cpu_s"] >= SLOW_CPU_S):
+            say(f"{row['cpu_s']:8.1f} CPU s, {'' if row['slow'] else 'not '}marked slow: {row['test']}")

@@ -25,6 +25,8 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # Modules whose every test runs Ray itself (a cluster of its own, the Jobs API, SLURM's Ray, Tune,
 # Ray Data, a script under Ray Train's controller); elsewhere a test that needs Ray asks for the
 # session's cluster (`ray_cluster`). Both are marked `ray`: `pytest -m "not ray"` runs the rest.
+# They are marked `slow` too, as are the not-ray tests that take over 10 CPU-seconds (a whole run
+# with a restart, a compile, seventy commands): `pytest -m "not slow"` is the inner loop.
 RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test_two_hosts", "test_local_clusters",
                "test_raydata", "test_scripts", "test_rayinternals", "test_preemption"}
 
@@ -40,6 +42,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "ray_cluster" in item.fixturenames or _module(item) in RAY_MODULES:
             item.add_marker(pytest.mark.ray)
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: LONGEST_FIRST.index(_module(item)) if _module(item) in LONGEST_FIRST
                else len(LONGEST_FIRST))
 

@@ -250,6 +250,7 @@ def test_runs_names_the_same_best_checkpoint(trained):
     assert run["best"] == f"eval_accuracy {best['eval_accuracy']:.4f} (epoch {best['epoch']})"
 
 
+@pytest.mark.slow
 def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_counts_on(tmp_path):
     """A learning rate too small to learn: eval accuracy never improves on epoch 1's."""
     run_dir = tmp_path / "run"

@@ -191,6 +191,7 @@ def run_case(args: list, workdir, cold: bool = False):
     return Finished(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
+@pytest.mark.slow
 def test_at_least_30_malformed_inputs_fail_cleanly(files, tmp_path):
     table = cases(files)
     assert len(table) >= 30

@@ -43,6 +43,7 @@ def digits_run(tmp_path_factory):
 KEEP_WORST = ("--set", "checkpoint.every_epochs=1", "--set", "checkpoint.mode=min")
 
 
+@pytest.mark.slow
 def test_digits_example_trains_to_95_percent(digits_run):
     run_dir, proc = digits_run
     assert proc.returncode == 0, proc.stderr
@@ -212,6 +213,7 @@ def test_console_holds_only_our_lines(digits_run):
     assert not [line for line in lines if re.search(r"\b(INFO|WARNING)\b|RayTrainWorker|pid=", line)]
 
 
+@pytest.mark.slow
 def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
     run_dir, _ = digits_run
     proc = forked("train", "examples/digits.yaml", "--run-dir", str(run_dir))
@@ -226,6 +228,7 @@ def test_an_existing_run_needs_resume_and_resume_continues_it(digits_run):
     assert [r["epoch"] for r in rows] == list(range(1, 14))
 
 
+@pytest.mark.slow
 def test_a_worker_killed_beyond_max_failures_exits_1_naming_the_rank_its_node_and_the_cause(tmp_path):
     marker = tmp_path / "kill"
     marker.touch()

@@ -107,6 +107,7 @@ def test_fsdp_reduces_gradients_in_the_reduce_dtype_and_keeps_fp32_shards(reduce
     spawn(_reduced, reduce_dtype)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_resumes_bitwise_with_powersgd_and_another_world_size_restarts_its_errors(tmp_path):
     """PowerSGD's factors, step count and random stream (rank 0's) and each rank's error feedback
     are in the checkpoint: a SIGKILL mid-epoch 2 (steps past start_iter) resumes to the same

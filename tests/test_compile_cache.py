@@ -10,6 +10,7 @@ import platform
 import re
 import tarfile
 
+import pytest
 import torch
 
 from raytrain_app.config import updated
@@ -36,6 +37,7 @@ def resume(config, run_dir, epochs: int) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_a_restart_where_nothing_was_compiled_takes_every_graph_from_the_runs_compile_cache(tmp_path, monkeypatch):
     # Ten batches an epoch, all of one shape: the graphs the test needs, without the ones a short
     # last batch would add.

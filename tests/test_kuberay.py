@@ -128,6 +128,7 @@ def pruned(value, schema: dict, where: str = "") -> list[str]:
     return []
 
 
+@pytest.mark.slow
 def test_the_rayjob_fits_the_crd_kuberay_ships_and_nothing_of_it_is_pruned():
     """Against KubeRay v1.7.0's own CRD schema (tests/kuberay/), which the API server validates a
     RayJob with: every field valid, and none that the server would silently drop."""

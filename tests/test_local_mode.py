@@ -57,6 +57,7 @@ def test_local_mode_trains_bitwise_what_ray_train_trains(ray_cluster, tmp_path, 
     assert kept[0] == kept[1] and len(names[0]) == len(names[1]) == len(kept[0]) >= 2
 
 
+@pytest.mark.slow
 def test_a_killed_worker_process_restarts_the_group_and_resumes_bitwise(tmp_path):
     """Local mode's own restart path (a fresh launch from the latest checkpoint): no Ray here."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -109,6 +110,7 @@ def test_a_run_started_in_one_mode_resumes_bitwise_in_the_other(ray_cluster, tmp
     same_run(straight, resumed)
 
 
+@pytest.mark.slow
 def test_ctrl_c_and_sigterm_stop_every_worker_process_and_leave_whole_checkpoints(tmp_path):
     for sig in (signal.SIGINT, signal.SIGTERM):  # a terminal's Ctrl-C; a scheduler's stop
         run_dir = tmp_path / sig.name
@@ -176,6 +178,7 @@ def test_a_driver_killed_outright_leaves_no_worker_process_behind(tmp_path):
             proc.kill()
 
 
+@pytest.mark.slow
 def test_sigusr1_checkpoints_mid_epoch_and_stops_and_resume_trains_every_sample_once(tmp_path):
     """SIGUSR1, as SLURM sends it before a time limit (`--signal=B:USR1@N`) to a job that trains
     on its one node in local mode: both worker processes checkpoint at the same step inside the
@@ -266,6 +269,7 @@ def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_pat
         assert choose(job(), None, 1, ray_connected=False) and session.choose_cluster(None, 2, 1, 0).address is None
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_path_of_one_short_epoch_and_runs_shows_it(tmp_path):
     """`train --smoke`: a few batches of one epoch, a step checkpoint and the epoch's, evaluation,
     report.png, no tracker; `runs` marks it. `submit --smoke` runs it first, and a smoke run

@@ -42,6 +42,7 @@ def files_of(run_dir: Path) -> dict[str, str]:
             for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_second_train_on_a_run_dir_in_use_is_refused_and_the_first_run_is_untouched(tmp_path):
     run_dir = tmp_path / "run"
     first: dict = {}
@@ -180,6 +181,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "--lazy", str(mount)], check=True)  # a pooled Ray worker may still hold its log
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_is_one_line_leaves_nothing_partial_and_resume_is_bitwise(small_disk, tmp_path):
     sets = ["train.epochs=3", "checkpoint.every_epochs=1"]
     reference = raytrain_app.fit(DIGITS, run_dir=str(tmp_path / "whole"), overrides=sets, **QUIET)

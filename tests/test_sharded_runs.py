@@ -26,6 +26,7 @@ def sharded_job(marker):
                   strategy=FSDP)
 
 
+@pytest.mark.slow
 def test_a_killed_fsdp_worker_resumes_bitwise_and_the_run_reshards_to_one_worker(tmp_path):
     straight, killed, (step, epoch, batch) = straight_and_killed(sharded_job, tmp_path)
     assert epoch == 2 and step in (25, 30, 35) and batch == step - 23

@@ -104,6 +104,7 @@ def _compare(rank: int, out_dir: str) -> None:
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)  # a rank short of eval batches would otherwise wait in an all-gather forever
 def test_fsdp_and_hsdp_train_and_evaluate_as_ddp_does(tmp_path):
     spawn(_compare, str(tmp_path))
@@ -199,6 +200,7 @@ def _save_and_restore(rank: int, out_dir: str) -> None:
                                                                  "exp_avg_sq": moments}))
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_restores_exactly_reshards_and_consolidates(tmp_path):
     spawn(_save_and_restore, str(tmp_path))
     merged = tmp_path / "merged"

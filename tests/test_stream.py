@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from raytrain_app.config.sections import DataConfig
@@ -149,6 +150,7 @@ def test_a_stream_decodes_rows_as_the_whole_file_reader_does(tmp_path):
     assert torch.allclose(x, (pixels - mean) / std, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_epoch_resumes_the_stream_bitwise(tmp_path):
     """Digits in 10 row groups: 9 train (1617 rows / 2 ranks / 32 = 25 batches); rank 1's 44th
     call is in epoch 2, after the step checkpoints at 30, 35 and 40."""

@@ -201,6 +201,7 @@ def test_the_regression_example_reaches_its_bar(tmp_path):
     assert float(((predicted - y_eval.squeeze().double()) ** 2).mean()) == pytest.approx(last["eval_mse"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_charlm_example_beats_the_unigram_baseline(tmp_path):
     result = run("examples/charlm.yaml", tmp_path / "run")
     data = build_datasets(load_config("examples/charlm.yaml").data)

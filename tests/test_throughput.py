@@ -200,6 +200,7 @@ def _train_compiled_ddp(rank: int, out_dir: str) -> None:
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **weights)
 
 
+@pytest.mark.slow
 def test_compiled_ddp_trains_like_eager_ddp(tmp_path):
     """torch.compile under DDP (graph split at the buckets) over a real two-rank Gloo group: each
     rank trains on its own shard, so equal replicas also show the compiled step all-reduced."""
