@@ -32,19 +32,24 @@ RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test
 
 
 # The suite runs in two processes (pytest-xdist, `-n 2 --dist loadfile`: a module's tests, and its fixtures,
-# stay in one of them), each with its own session cluster. Modules start longest first, so that neither
-# process is left with a long one at the end.
+# stay in one of them), each with its own session cluster. The modules that use that cluster start first,
+# so that it can stop when they are done (see `pytest_runtest_teardown`); within each group, the longest
+# start first, so that neither process is left with a long one at the end.
 LONGEST_FIRST = ["test_submit", "test_preemption", "test_sweep", "test_slurm", "test_local_mode", "test_raydata",
                  "test_shutdown", "test_reliability", "test_scripts", "test_cli", "test_distributed"]
+SESSION_CLUSTER_MODULES: set[str] = set()  # the modules with a test that asks for `ray_cluster`
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
+        if "ray_cluster" in item.fixturenames:
+            SESSION_CLUSTER_MODULES.add(_module(item))
         if "ray_cluster" in item.fixturenames or _module(item) in RAY_MODULES:
             item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: LONGEST_FIRST.index(_module(item)) if _module(item) in LONGEST_FIRST
-               else len(LONGEST_FIRST))
+    items.sort(key=lambda item: (_module(item) not in SESSION_CLUSTER_MODULES,
+                                 LONGEST_FIRST.index(_module(item)) if _module(item) in LONGEST_FIRST
+                                 else len(LONGEST_FIRST)))
 
 
 def _module(item) -> str:
@@ -65,18 +70,33 @@ def running_clusters(tmp_path_factory):
     os.environ["RAYTRAIN_RUNNING_DIR"] = str(tmp_path_factory.mktemp("running"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(s3):
+    """The session's cluster, started for the first module that asks for it and kept for the next
+    ones; `pytest_runtest_teardown` stops it once this process has no more of them."""
     import ray
 
-    os.chdir(REPO)  # workers import "tests.helpers" from the driver's working directory
-    # Workers inherit this environment: the object store's endpoint and credentials, and what the
-    # embedded cluster of `train` turns off (Ray Train's preemption watcher and metrics).
-    os.environ.update(s3.env, RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0", RAY_TRAIN_METRICS_ENABLED="0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        os.chdir(REPO)  # workers import "tests.helpers" from the driver's working directory
+        # Workers inherit this environment: the object store's endpoint and credentials, and what the
+        # embedded cluster of `train` turns off (Ray Train's preemption watcher and metrics).
+        os.environ.update(s3.env, RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0", RAY_TRAIN_METRICS_ENABLED="0")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    return ray
+
+
+@pytest.hookimpl(trylast=True)  # after the module's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """An idle session cluster and this process's connection to it cost about 4 CPU-seconds a
+    minute, taken from the tests that run meanwhile: stop it before a module that does not use it,
+    and at the end. The modules that do use it come first (`pytest_collection_modifyitems`), so it
+    stops once; one that came later would start it again."""
+    if "ray" in sys.modules and (nextitem is None or _module(nextitem) != _module(item)
+                                 and _module(nextitem) not in SESSION_CLUSTER_MODULES):
+        import ray
+
+        ray.shutdown()
 
 
 def short_temp_dir() -> str:
