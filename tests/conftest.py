@@ -47,9 +47,12 @@ def pytest_collection_modifyitems(items):
         if "ray_cluster" in item.fixturenames or _module(item) in RAY_MODULES:
             item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: (_module(item) not in SESSION_CLUSTER_MODULES,
-                                 LONGEST_FIRST.index(_module(item)) if _module(item) in LONGEST_FIRST
-                                 else len(LONGEST_FIRST)))
+    items.sort(key=lambda item: _start_order(_module(item)))
+
+
+def _start_order(module: str) -> tuple[bool, int]:
+    longest = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+    return module not in SESSION_CLUSTER_MODULES, longest
 
 
 def _module(item) -> str:
