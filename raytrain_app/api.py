@@ -7,6 +7,7 @@ joined, or at an address) -> Ray Train -> the result. The CLI is a thin layer ov
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -42,9 +43,8 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     for anything the user can fix, TrainingFailed when training started and did not finish.
     """
     marks = {"start": started or time.time()}
-    sets = [*(SMOKE if smoke else ()), *(overrides or ()),
-            *flag_overrides(workers=workers, gpus_per_worker=gpus_per_worker, local=local)]
-    source, job = job_config(config, sets, script_args)
+    users_sets = [*(overrides or ()), *flag_overrides(workers=workers, gpus_per_worker=gpus_per_worker, local=local)]
+    source, job = job_config(config, [*(SMOKE if smoke else ()), *users_sets], script_args)
     if smoke:
         if job.script:
             raise UserError("--smoke runs raytrain-app's own training loop, not a script: run the script with "
@@ -71,7 +71,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     try:
         result = _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_s)
     except KeyboardInterrupt:
-        raise Interrupted(_how_to_continue(config, plan, script_args)) from None
+        raise Interrupted(_how_to_continue(config, plan, users_sets, smoke, script_args)) from None
     finally:
         plan.upload_logs(lambda line: echo(f"warning: {line}"))
         plan.lease.release()
@@ -114,15 +114,18 @@ def _run(plan, address, verbose, progress, echo, marks, min_nodes, node_timeout_
         return run_training(plan, progress=progress, echo=echo, marks=marks)
 
 
-def _how_to_continue(config, plan, script_args: Sequence[str]) -> str:
-    """What continues an interrupted run: the command, where it has a checkpoint to resume."""
+def _how_to_continue(config, plan, sets: Sequence[str], smoke: bool, script_args: Sequence[str]) -> str:
+    """What continues an interrupted run: the command, where it has a checkpoint to resume. A
+    resume trains the config it is given, so the command repeats the run's `--set`s and flags:
+    without them, `train.epochs=500` would resume as the file's 12, and end at once."""
     from raytrain_app import rundir, storage
 
     if not storage.exists(storage.join(plan.run_dir, rundir.SNAPSHOT)):
         return "no checkpoint was written: start it again"
     what = str(config) if isinstance(config, (str, Path)) else "CONFIG"
+    options = "".join(f" --set {shlex.quote(expression)}" for expression in sets) + (" --smoke" if smoke else "")
     args = f" -- {' '.join(script_args)}" if script_args else ""
-    return f"`raytrain-app train {what} --resume --run-dir {plan.run_dir}{args}` continues it"
+    return f"`raytrain-app train {what} --resume --run-dir {plan.run_dir}{options}{args}` continues it"
 
 
 def job_config(config: Union[str, Path, dict, JobConfig], overrides: Sequence[str] = (),

@@ -7,6 +7,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from contextlib import suppress
 import pytest
 import torch
 
-from raytrain_app.api import fit
+from raytrain_app.api import fit, job_config
+from raytrain_app.config import dump_yaml
+from raytrain_app.config.resolve import resolve_auto
 from raytrain_app.driver.plan import make_plan
 from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import TrainingFailed, UserError
@@ -130,8 +133,13 @@ def test_ctrl_c_and_sigterm_stop_every_worker_process_and_leave_whole_checkpoint
             os.kill(proc.pid, sig)  # a scheduler signals the job's process
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
-        assert err.strip().splitlines() == [f"interrupted: `raytrain-app train examples/digits.yaml --resume "
-                                            f"--run-dir {run_dir}` continues it"], err  # and no launcher chatter
+        sets = ["train.epochs=500", "checkpoint.every_epochs=1", "checkpoint.every_steps=3", "scaling.local=True"]
+        resume = f"raytrain-app train examples/digits.yaml --resume --run-dir {run_dir}" + "".join(
+            f" --set {s}" for s in sets)
+        assert err.strip().splitlines() == [f"interrupted: `{resume}` continues it"], err  # and no launcher chatter
+        # It resumes the run as it was configured, not as the file alone says (12 epochs: over at once).
+        _, again = job_config("examples/digits.yaml", shlex.split(resume)[7::2])
+        assert dump_yaml(resolve_auto(again)) == (run_dir / "config.yaml").read_text()
         deadline = time.monotonic() + 30
         while [p for p in started if running(p)] and time.monotonic() < deadline:
             time.sleep(0.2)

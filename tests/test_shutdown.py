@@ -57,7 +57,8 @@ def test_ctrl_c_stops_the_workers_and_the_cluster_and_leaves_nothing_half_writte
 
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground process group
     _, err = proc.communicate(timeout=90)
-    resume = f"raytrain-app train examples/digits.yaml --resume --run-dir {run_dir}"
+    resume = (f"raytrain-app train examples/digits.yaml --resume --run-dir {run_dir} --set train.epochs=500 "
+              "--set checkpoint.every_epochs=1 --set checkpoint.every_steps=3 --set scaling.local=False")
     assert proc.returncode == 130 and err == f"interrupted: `{resume}` continues it\n", err  # that line alone
     deadline = time.monotonic() + 30
     while [p for p in started if running(p)] and time.monotonic() < deadline:
