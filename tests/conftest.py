@@ -28,15 +28,15 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # They are marked `slow` too, as are the not-ray tests that take over 10 CPU-seconds (a whole run
 # with a restart, a compile, seventy commands): `pytest -m "not slow"` is the inner loop.
 RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test_two_hosts", "test_local_clusters",
-               "test_raydata", "test_scripts", "test_rayinternals", "test_preemption"}
+               "test_raydata", "test_scripts", "test_rayinternals", "test_preemption", "test_bare_cluster"}
 
 
 # The suite runs in two processes (pytest-xdist, `-n 2 --dist loadfile`: a module's tests, and its fixtures,
 # stay in one of them), each with its own session cluster. The modules that use that cluster start first,
 # so that it can stop when they are done (see `pytest_runtest_teardown`); within each group, the longest
 # start first, so that neither process is left with a long one at the end.
-LONGEST_FIRST = ["test_submit", "test_preemption", "test_sweep", "test_slurm", "test_local_mode", "test_raydata",
-                 "test_shutdown", "test_reliability", "test_scripts", "test_cli", "test_distributed"]
+LONGEST_FIRST = ["test_submit", "test_preemption", "test_sweep", "test_slurm", "test_bare_cluster", "test_local_mode",
+                 "test_raydata", "test_shutdown", "test_reliability", "test_scripts", "test_cli", "test_distributed"]
 SESSION_CLUSTER_MODULES: set[str] = set()  # the modules with a test that asks for `ray_cluster`
 
 
@@ -48,6 +48,17 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: _start_order(_module(item)))
+
+
+def pytest_collection_finish(session):
+    """The environment of test_bare_cluster's cluster takes a minute or two to build the first
+    time (tests/barecluster.py): when the module is to run, it starts now, beside the first tests,
+    and the module's fixture waits for it (a lock) when it comes."""
+    if not any(_module(item) == "test_bare_cluster" for item in session.items):
+        return
+    log = open(os.path.join(tempfile.gettempdir(), f"raytrain-bare-venv-{os.getpid()}.log"), "wb")
+    subprocess.Popen([sys.executable, "-c", "from tests.barecluster import bare_venv; bare_venv()"], cwd=REPO,
+                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _start_order(module: str) -> tuple[bool, int]:

@@ -9,12 +9,14 @@ import copy
 import json
 import os
 import re
+import zipfile
 
 import jsonschema
 import pytest
 import yaml
 
 from raytrain_app.config import JobConfig
+from raytrain_app.launch.kuberay import merged
 from tests.commands import command
 from tests.conftest import REPO
 
@@ -53,9 +55,9 @@ CONTAINER = strict({"name": {"type": "string"}, "image": {"type": "string"}, "re
                         "command": {"type": "array", "items": {"type": "string"}}})})})}, ("name",))
 VOLUME = strict({"name": {"type": "string"},
                  "emptyDir": strict({"medium": {"type": "string"}, "sizeLimit": QUANTITY})}, ("name",))
-POD_TEMPLATE = strict({"spec": strict({
+POD_TEMPLATE = strict({"metadata": strict({"labels": STRINGS, "annotations": STRINGS}), "spec": strict({
     "containers": {"type": "array", "items": CONTAINER, "minItems": 1},  # the operator wants one at least
-    "serviceAccountName": {"type": "string"}, "nodeSelector": STRINGS,
+    "serviceAccountName": {"type": "string"}, "nodeSelector": STRINGS, "priorityClassName": {"type": "string"},
     "terminationGracePeriodSeconds": {"type": "integer", "minimum": 0},
     "volumes": {"type": "array", "items": VOLUME},
     "tolerations": {"type": "array", "items": strict({"key": {"type": "string"}, "operator": {"type": "string"},
@@ -77,6 +79,7 @@ RAYJOB_SCHEMA = strict({
         "activeDeadlineSeconds": {**INT32, "minimum": 1},
         "rayClusterSpec": strict({
             "rayVersion": {"type": "string"}, "enableInTreeAutoscaling": {"type": "boolean"},
+            "authOptions": strict({"mode": {"enum": ["disabled", "token"]}, "secretName": {"type": "string"}}),
             "headGroupSpec": strict({"rayStartParams": STRINGS, "template": POD_TEMPLATE}, ("template",)),
             "workerGroupSpecs": {"type": "array", "items": strict({
                 "groupName": {"type": "string"}, "replicas": INT32, "minReplicas": INT32, "maxReplicas": INT32,
@@ -87,8 +90,35 @@ RAYJOB_SCHEMA = strict({
 }, ("apiVersion", "kind", "metadata", "spec"))
 
 
-def render(*args, profile="cluster/kuberay.yaml"):
-    return command(["k8s", "render", "examples/digits.yaml", "--cluster", profile, *args], REPO, None, 60)
+BUCKET_PROFILE: dict = {}  # the shipped profile with its storage in the tests' bucket, and that bucket's credentials
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bucket_profile(s3, tmp_path_factory):
+    """`k8s render` uploads raytrain-app to the profile's storage: here a real S3-compatible
+    server's bucket instead of the shipped profile's s3://my-bucket."""
+    path = tmp_path_factory.mktemp("profile") / "kuberay.yaml"
+    path.write_text(yaml.safe_dump(profile_fields(s3.bucket)))
+    BUCKET_PROFILE.update(path=str(path), env={**os.environ, **s3.env}, store=s3)
+
+
+def profile_fields(bucket: str = "rta-bucket") -> dict:
+    """cluster/kuberay.yaml as shipped, its storage in `bucket`."""
+    fields = yaml.safe_load(open(os.path.join(REPO, "cluster/kuberay.yaml")))
+    return {**fields, "storage": fields["storage"].replace("s3://my-bucket", f"s3://{bucket}")}
+
+
+def render(*args, profile=None):
+    return command(["k8s", "render", "examples/digits.yaml", "--cluster", profile or BUCKET_PROFILE["path"], *args],
+                   REPO, BUCKET_PROFILE["env"], 60)
+
+
+def normalized(manifest: str) -> str:
+    """What changes from one render or machine to the next, named: the job id, the package's
+    content hash, and the versions installed here."""
+    manifest = re.sub(r"digits-\d{8}-\d{6}-[0-9a-f]{4}", "digits-ID", manifest)
+    manifest = re.sub(r"raytrain-app-([^-/]+)-[0-9a-f]{16}\.zip", r"raytrain-app-\1-HASH.zip", manifest)
+    return re.sub(r"RAYTRAIN_SUBMITTED_WITH: .*", "RAYTRAIN_SUBMITTED_WITH: VERSIONS", manifest)
 
 
 def rendered_2x4() -> str:
@@ -100,7 +130,7 @@ def rendered_2x4() -> str:
 def test_the_rayjob_for_two_nodes_of_four_gpus_matches_the_golden_file():
     """Regenerate after a deliberate change with RAYTRAIN_UPDATE_GOLDEN=1: that run writes the file
     and fails, so a rewrite is never taken for a pass; look at its diff, then run again."""
-    text = re.sub(r"digits-\d{8}-\d{6}-[0-9a-f]{4}", "digits-ID", rendered_2x4())
+    text = normalized(rendered_2x4())
     if os.environ.get("RAYTRAIN_UPDATE_GOLDEN") == "1":
         with open(GOLDEN, "w") as f:
             f.write(text)
@@ -173,12 +203,12 @@ def test_the_rayjob_fits_kuberays_schema_and_the_operators_rules():
     pod = workers["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 60
     assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
-        "python", "-m", "raytrain_app.cluster.drain", "--deadline-s", "50"]
+        "python", "-c", open(os.path.join(REPO, "raytrain_app/cluster/drain.py")).read(), "--deadline-s", "50"]
     assert {"name": "MY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in \
         pod["containers"][0]["env"]
     # A retry runs on a new cluster: the same job id and run directory, resumed if it holds a checkpoint.
     run_dir = manifest["metadata"]["annotations"]["raytrain.run_dir"]
-    assert run_dir == "s3://my-bucket/raytrain/runs/" + spec["jobId"]
+    assert run_dir == "s3://rta-bucket/raytrain/runs/" + spec["jobId"]
     assert spec["entrypoint"].endswith(f"--run-dir {run_dir} --resume-if-any")
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     config = JobConfig.from_dict(yaml.safe_load(env["RAYTRAIN_JOB_CONFIG"]))
@@ -240,7 +270,7 @@ def test_the_schema_subset_refuses_what_kuberay_would(path, value):
      "kuberay.worker_memory_gb 8 cannot hold 4 workers of scaling.memory_per_worker_gb 16"),
 ])
 def test_a_render_the_profile_cannot_make_is_one_line(tmp_path, monkeypatch, change, message):
-    fields = yaml.safe_load(open(os.path.join(REPO, "cluster/kuberay.yaml")))
+    fields = profile_fields()
     change = dict(change)
     args = change.pop("_args", [])
     for key, value in change.items():
@@ -257,9 +287,111 @@ def test_a_render_the_profile_cannot_make_is_one_line(tmp_path, monkeypatch, cha
 
 
 def test_storage_on_a_path_renders_with_a_warning(tmp_path):
-    fields = yaml.safe_load(open(os.path.join(REPO, "cluster/kuberay.yaml")))
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**fields, "storage": "/data/runs"}))
+    fields = profile_fields()
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**fields, "storage": str(tmp_path / "runs")}))
     proc = render(profile=str(tmp_path / "p.yaml"))
     assert proc.returncode == 0 and yaml.safe_load(proc.stdout)["kind"] == "RayJob"
-    assert proc.stderr == ("warning: storage /data/runs is a path: unless every pod mounts it (a shared volume), the "
-                           "run directory dies with the cluster and a retry starts over; use s3:// or gs://\n")
+    assert proc.stderr == (f"warning: storage {tmp_path / 'runs'} is a path: unless every pod mounts it (a shared "
+                           "volume), the run directory dies with the cluster and a retry starts over; use s3:// or "
+                           "gs://\n")
+
+
+def test_the_rayjob_brings_raytrain_app_from_the_profiles_storage(tmp_path):
+    """The pods run an image without raytrain-app: the RayJob's runtime env names a zip in the
+    bucket, whose one top folder holds this checkout's package, a .dist-info naming its version,
+    and the pure-Python packages it needs beyond Ray's (pathspec, tqdm, ...)."""
+    env = {**BUCKET_PROFILE["env"], "RAY_AUTH_TOKEN": "a-token-that-must-stay-here-0123456789abcdef"}
+    proc = command(["k8s", "render", "examples/digits.yaml", "--cluster", BUCKET_PROFILE["path"],
+                    "--set", "failure.max_failures=5"], REPO, env, 60)
+    assert proc.returncode == 0, proc.stderr
+    assert "a-token-that-must-stay-here" not in proc.stdout and "raytrain-app]" not in proc.stdout
+    manifest = yaml.safe_load(proc.stdout)
+    spec = manifest["spec"]
+    assert spec["entrypoint"].startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.launch.job_entry ")
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    [uri] = runtime_env["py_modules"]
+    assert re.fullmatch(r"s3://rta-bucket/raytrain/runs/_packages/raytrain-app-0\.1\.0-[0-9a-f]{16}\.zip", uri), uri
+    key = uri[len("s3://rta-bucket/"):]
+    store = BUCKET_PROFILE["store"]
+    archive = tmp_path / "bundle.zip"
+    store.client().download_file(store.bucket, key, str(archive))
+    with zipfile.ZipFile(archive) as z:
+        names = z.namelist()
+        top = {name.split("/")[0] for name in names}
+        assert top == {os.path.basename(key)[:-len(".zip")]}  # one folder, which Ray drops when it unpacks
+        inside = {name.split("/", 1)[1] for name in names}
+        assert "raytrain_app/launch/job_entry.py" in inside and "pathspec/__init__.py" in inside
+        assert not [n for n in inside if "__pycache__" in n or n.endswith(".pyc")]
+        metadata = z.read(f"{top.pop()}/raytrain_app-0.1.0.dist-info/METADATA").decode()
+        assert "Name: raytrain-app" in metadata and "Version: 0.1.0" in metadata
+        shipped = z.read(next(n for n in names if n.endswith("raytrain_app/launch/package.py")))
+    assert shipped == open(os.path.join(REPO, "raytrain_app/launch/package.py"), "rb").read()
+    config = JobConfig.from_dict(yaml.safe_load(runtime_env["env_vars"]["RAYTRAIN_JOB_CONFIG"]))
+    assert config.failure.max_failures == 5  # the job's own, kept
+    again = yaml.safe_load(rendered_2x4())
+    assert yaml.safe_load(again["spec"]["runtimeEnvYAML"])["py_modules"] == [uri]  # the same content, not sent twice
+    config = JobConfig.from_dict(yaml.safe_load(yaml.safe_load(again["spec"]["runtimeEnvYAML"])["env_vars"][
+        "RAYTRAIN_JOB_CONFIG"]))
+    assert config.failure.max_failures == 3  # kuberay.max_failures: a lost pod restarts the group in the cluster
+    assert again["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token", "secretName": "raytrain-ray-token"}
+
+
+def test_a_pod_template_merges_into_head_and_worker_pods_as_kubernetes_merges_them():
+    base = {"spec": {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                     "containers": [{"name": "ray-worker", "image": "ray", "env": [{"name": "A", "value": "1"}]},
+                                    {"name": "sidecar", "image": "s"}]}}
+    patch = {"metadata": {"labels": {"kueue.x-k8s.io/queue-name": "q"}},
+             "spec": {"priorityClassName": "high",
+                      "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}},
+                                  {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}],
+                      "tolerations": [{"key": "spot", "operator": "Exists"}],
+                      "containers": [{"env": [{"name": "A", "value": "2"}, {"name": "B", "value": "3"}]},
+                                     {"name": "sidecar", "image": "s2"}]}}
+    assert merged(base, patch) == {
+        "spec": {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+                             {"name": "data", "persistentVolumeClaim": {"claimName": "d"}}],
+                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"},
+                                 {"key": "spot", "operator": "Exists"}],
+                 "containers": [{"name": "ray-worker", "image": "ray",
+                                 "env": [{"name": "A", "value": "2"}, {"name": "B", "value": "3"}]},
+                                {"name": "sidecar", "image": "s2"}],
+                 "priorityClassName": "high"},
+        "metadata": {"labels": {"kueue.x-k8s.io/queue-name": "q"}}}
+    assert base["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}]  # the base is not changed
+
+
+def test_a_pod_template_renders_into_both_pod_kinds_within_kuberays_crd(tmp_path):
+    template = {"metadata": {"labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+                             "annotations": {"scheduling.volcano.sh/queue-name": "gpu"}},
+                "spec": {"priorityClassName": "high", "imagePullSecrets": [{"name": "registry"}],
+                         "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+                         "containers": [{"env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                             "name": "hf", "key": "token"}}}],
+                             "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}]}}
+    fields = profile_fields()
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**fields, "kuberay": {**fields["kuberay"],
+                                                                           "pod_template": template}}))
+    proc = render("--nodes", "2", "--gpus-per-node", "4", profile=str(tmp_path / "p.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    manifest = yaml.safe_load(proc.stdout)
+    schema = json.load(open(CRD_SCHEMA))
+    jsonschema.validate(manifest, schema)
+    assert pruned(manifest, schema) == []
+    cluster = manifest["spec"]["rayClusterSpec"]
+    for pod, container in ((cluster["headGroupSpec"]["template"], "ray-head"),
+                           (cluster["workerGroupSpecs"][0]["template"], "ray-worker")):
+        assert pod["metadata"] == template["metadata"] and pod["spec"]["priorityClassName"] == "high"
+        [ray] = pod["spec"]["containers"]
+        assert ray["name"] == container and {"name": "data", "mountPath": "/data"} in ray["volumeMounts"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in ray["volumeMounts"]  # ours kept beside the patch's
+        assert ray["env"][-1]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+        assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "data"]
+    worker = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    assert [t["key"] for t in worker["tolerations"]] == ["nvidia.com/gpu", "spot"]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**fields, "kuberay": {**fields["kuberay"],
+                                                                             "pod_template": {"spek": {}}}}))
+    proc = render(profile=str(tmp_path / "bad.yaml"))
+    assert proc.returncode == 2 and "kuberay.pod_template" in proc.stderr and "spek" in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1

@@ -10,6 +10,7 @@ import pytest
 import ray
 import yaml
 
+import raytrain_app
 from raytrain_app.cluster.localnodes import cluster_down, cluster_up
 from raytrain_app.cluster.profiles import load_profile
 from raytrain_app.config import load_config
@@ -53,7 +54,8 @@ def test_gpu_cluster_gets_one_nccl_worker_per_gpu():
     s = sub.config.scaling
     assert (s.workers, s.gpus_per_worker, s.backend, s.placement) == (8, 1.0, "nccl", "PACK")
     assert sub.config.train.precision == "bf16" and sub.run_dir.startswith("s3://my-bucket/raytrain/runs/digits-")
-    assert sub.runtime_env["pip"] == ["raytrain-app"]
+    assert "pip" not in sub.runtime_env  # nothing from an index: the job brings raytrain-app itself
+    assert os.path.dirname(raytrain_app.__file__) in sub.runtime_env["py_modules"]
 
 
 def test_workers_with_several_gpus_each_split_the_nodes_gpus():

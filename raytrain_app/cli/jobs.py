@@ -119,6 +119,8 @@ def send(engine, sub, follow: bool, dry_run: bool) -> None:
         click.echo(summary_table(sub.describe()))
         return
     submitted = engine.submit(sub)
+    for line in submitted.warnings:
+        warn(line)
     for line in submitted.said:
         click.echo(line)
     if follow:

@@ -47,6 +47,10 @@ class Dashboard:
         """Raise unless the cluster answers; returns its Ray version."""
         return self.get("/api/version").get("ray_version", "?")
 
+    def session(self) -> str:
+        """The cluster's Ray session name: a new one each time the cluster starts."""
+        return self.get("/api/version").get("session_name", "")
+
     def nodes(self) -> list[Node]:
         rows = self._state("nodes")
         return [Node(n["node_id"], n.get("node_ip", "?"), n["state"] == "ALIVE", bool(n.get("is_head_node")),

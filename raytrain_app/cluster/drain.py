@@ -1,5 +1,5 @@
-"""`python -m raytrain_app.cluster.drain`: drain this machine's Ray node as a cloud's spot reclaim
-does, then wait out the deadline.
+"""Drain this machine's Ray node as a cloud's spot reclaim does, then wait out the deadline
+(`python -m raytrain_app.cluster.drain`).
 
 A KubeRay worker pod runs it as its preStop hook: Kubernetes deletes a pod (a spot node
 reclaimed, an eviction, a scale-down) by running the hook, then sending SIGTERM, then SIGKILL after
@@ -7,19 +7,22 @@ reclaimed, an eviction, a scale-down) by running the hook, then sending SIGTERM,
 PREEMPTION, with a deadline inside the grace period), so Ray Train tells the run, whose loop writes
 a checkpoint at the step it is at (see `worker/preemption.py`), and keeps the pod up until the
 deadline, while that checkpoint is written.
+
+The pod's image may have no raytrain-app (a job brings it in its runtime env, which a hook does
+not run in), so this file uses only the standard library and Ray: a RayJob's hook runs its
+source with `python -c`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from typing import Optional
-
-from raytrain_app.cluster.localnodes import ray_executable
 
 
 def this_node(address: str, ip: str) -> str:
@@ -37,7 +40,7 @@ def this_node(address: str, ip: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raytrain_app.cluster.drain", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="drain", description=__doc__.split("\n")[0])
     parser.add_argument("--deadline-s", type=int, required=True, help="seconds until the node goes")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="the GCS (default: $RAY_ADDRESS)")
     parser.add_argument("--node-id", help="default: the node at this pod's IP ($MY_POD_IP, or the host's)")
@@ -50,7 +53,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     node = args.node_id or this_node(args.address, os.environ.get("MY_POD_IP") or
                                      socket.gethostbyname(socket.gethostname()))
     left = max(1, int(args.deadline_s - (time.monotonic() - started)))
-    drained = subprocess.run([ray_executable(), "drain-node", "--address", args.address, "--node-id", node,
+    beside = os.path.join(os.path.dirname(sys.executable), "ray")  # this Python's Ray
+    ray = beside if os.path.exists(beside) else shutil.which("ray") or "ray"
+    drained = subprocess.run([ray, "drain-node", "--address", args.address, "--node-id", node,
                               "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", args.reason,
                               "--deadline-remaining-seconds", str(left)], capture_output=True, text=True)
     if drained.returncode:

@@ -267,7 +267,8 @@ def _wait_for(profile: ClusterProfile, nodes: int, node: psutil.Process, log: Pa
 
 
 def _node_env(profile: ClusterProfile) -> dict:
-    """Nodes run with token auth and with this Python first on PATH, so jobs find raytrain_app."""
+    """Nodes run with token auth and with this Python first on PATH: a job's `python` is the one
+    the nodes run Ray with, as on a cluster's image (raytrain-app comes with the job either way)."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # this shell's own Ray token is not the cluster's

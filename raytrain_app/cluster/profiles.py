@@ -156,8 +156,9 @@ PORT_BLOCK = 200  # a job's Ray ports: GCS, client, dashboard, agent, then its w
 class KubeRay(Section):
     """What `k8s render` writes into a RayJob (see `kuberay.py`)."""
 
-    image: Optional[str] = Field(None, description="the container image for head and workers: Ray, torch and "
-                                                   "raytrain-app installed (e.g. built FROM rayproject/ray)")
+    image: Optional[str] = Field(None, description="the container image for head and workers, with Ray and torch "
+                                                   "(e.g. rayproject/ray:2.60.0-py311-gpu); the job brings "
+                                                   "raytrain-app, uploaded to storage")
     namespace: Optional[str] = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     ray_version: Optional[str] = Field(None, pattern=r"^\d+\.\d+(\.\d+)?$",
                                        description="rayClusterSpec.rayVersion (default: the Ray installed here)")
@@ -174,11 +175,33 @@ class KubeRay(Section):
                                                           "the run directory in storage")
     active_deadline_s: Optional[int] = Field(None, gt=0, description="activeDeadlineSeconds: fail a job running "
                                                                     "longer than this")
+    max_failures: int = Field(3, ge=-1, description="worker-group restarts inside the RayJob's cluster (a lost "
+                                                    "pod, a crashed worker) before its attempt fails and "
+                                                    "backoff_limit starts a new cluster; a job's own "
+                                                    "failure.max_failures above 0 is kept (-1: unlimited)")
+    auth_secret: Optional[str] = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                       description="a Kubernetes Secret whose auth_token key holds the Ray token "
+                                                   "(authOptions.secretName); null: KubeRay makes one per cluster")
+    pod_template: dict[str, Any] = Field(default_factory=dict,
+                                         description="merged into the head's and the workers' pod templates: "
+                                                     "metadata (labels, annotations: Kueue, Volcano) and spec "
+                                                     "(volumes, priorityClassName, tolerations, ...); a container "
+                                                     "without a name is the Ray container")
     termination_grace_s: int = Field(60, ge=15, le=3600,
                                      description="a worker pod's terminationGracePeriodSeconds; a pod being "
                                                  "deleted (a spot reclaim, an eviction) first drains its Ray node "
                                                  "with a deadline 10 s inside it (a preStop hook), so the run "
                                                  "checkpoints at the step it is at")
+
+
+    @field_validator("pod_template")
+    @classmethod
+    def _pod_template(cls, value: dict) -> dict:
+        for key in sorted(set(value) - {"metadata", "spec"}):
+            raise ValueError(f"{key}: a pod template holds metadata and spec")
+        for key in sorted(set(value.get("metadata") or {}) - {"labels", "annotations"}):
+            raise ValueError(f"metadata.{key}: only labels and annotations can be added to the pods' metadata")
+        return value
 
 
 class ClusterProfile(Section):

@@ -4,7 +4,7 @@ engine it holds. A new engine is a class with these methods, and a line in `engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
 from raytrain_app.launch.submission import Submission
@@ -16,6 +16,7 @@ Echo = Callable[[str], None]
 class Submitted:
     job_id: str
     said: list[str]  # where the job went and where its output is, for the user
+    warnings: list[str] = field(default_factory=list)  # what the user should know before it runs
 
 
 class Backend(Protocol):

@@ -19,8 +19,11 @@ from raytrain_app.cluster.profiles import ClusterProfile
 from raytrain_app.config import dump_yaml
 from raytrain_app.console import jobs_table
 from raytrain_app.errors import UserError, last_line
+from raytrain_app.launch import versions
 from raytrain_app.launch.backend import Echo, Submitted
+from raytrain_app.launch.package import PROJECT
 from raytrain_app.launch.submission import Submission, write_files
+from raytrain_app.launch.versions import Versions
 from raytrain_app.waiting import poll
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -50,6 +53,13 @@ class RayJobs:
         what was asked and what exists, rather than a job queued forever); then the job, with the
         metadata `list` shows."""
         self.dashboard.check()
+        where = f"the cluster at {self.dashboard.address}"
+        ours, theirs = Versions.here(), versions.probe(self.dashboard.jobs(), self.dashboard.address,
+                                                       self.dashboard.session())
+        versions.check(ours, theirs, where)
+        installed = versions.other_raytrain_app(ours, theirs)
+        notes = [f"{where} has raytrain-app {installed} installed; the job brings raytrain-app "
+                 f"{ours.packages[PROJECT]} from this machine and runs it instead"] if installed else []
         check_shape_fits(self.dashboard.alive_nodes(), sub.nodes, sub.workers_per_node, sub.config)
         storage.check_writable(sub.run_dir)
         write_files(sub)
@@ -60,7 +70,7 @@ class RayJobs:
             raise UserError(f"cannot submit to {self.dashboard.address}: {last_line(e)}") from None
         what = "a sweep" if sub.sweep else sub.config.scaling.describe_workers()
         return Submitted(job_id, [f"submitted {job_id} to {self.profile.jobs_address} ({what}); run directory "
-                                  f"{sub.run_dir}", f"dashboard: {self.profile.jobs_address}/#/jobs/{job_id}"])
+                                  f"{sub.run_dir}", f"dashboard: {self.profile.jobs_address}/#/jobs/{job_id}"], notes)
 
     def follow(self, job_id: str, echo: Echo) -> str:
         self._info(job_id)
@@ -97,7 +107,8 @@ class RayJobs:
 
     def jobs(self, statuses: Sequence[str] = ()) -> list[dict]:
         wanted = {s.upper() for s in statuses}
-        found = sorted((j for j in self.dashboard.jobs().list_jobs() if not wanted or str(j.status.value) in wanted),
+        found = sorted((j for j in self.dashboard.jobs().list_jobs() if (not wanted or str(j.status.value) in wanted)
+                        and not versions.PROBE_METADATA.items() <= (j.metadata or {}).items()),
                        key=lambda j: j.start_time or 0)
         return [_row(j) for j in found]
 

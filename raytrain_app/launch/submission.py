@@ -22,7 +22,9 @@ from raytrain_app.cluster.profiles import ClusterProfile, mask
 from raytrain_app.config import JobConfig, dump_yaml, updated
 from raytrain_app.config.resolve import SHIPPED_FROM_ENV, resolve_auto
 from raytrain_app.errors import UserError
+from raytrain_app.launch import job_entry, package
 from raytrain_app.launch.shipping import check_upload_size, unshipped_imports
+from raytrain_app.launch.versions import SUBMITTED_WITH_ENV, Versions
 from raytrain_app.preflight.checks import check_data_and_model, check_script
 from raytrain_app.rundir import lease, snapshot
 
@@ -57,6 +59,8 @@ class Submission:
         shown_env = {**self.runtime_env, "env_vars": mask(self.runtime_env.get("env_vars", {}))}
         if CONFIG_ENV in shown_env["env_vars"]:
             shown_env["env_vars"][CONFIG_ENV] = f"<resolved job config, {len(shown_env['env_vars'][CONFIG_ENV])} bytes>"
+        if "py_modules" in shown_env:
+            shown_env["py_modules"] = f"<{len(shown_env['py_modules'])} folders: {package.describe()}>"
         workers = f"{self.node_range} nodes x {self.workers_per_node} per node"
         return [
             ("cluster", f"{self.profile.name} ({self.profile.where})"),
@@ -69,6 +73,7 @@ class Submission:
             ("script", " ".join([self.config.script.path, *self.config.script.args])) if self.config.script else
             ("backend", f"{s.backend}, {self.config.train.precision}"),
             ("storage", self.run_dir),
+            ("brings", package.describe()),
             ("runtime_env", json.dumps(shown_env, sort_keys=True)),
             ("entrypoint", self.entrypoint),
         ]
@@ -135,7 +140,7 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Union[int
                        packages=False)
     runtime_env = job_runtime_env(profile, working_dir, {CONFIG_ENV: dump_yaml(config)})
     # A job its scheduler runs again (a retried RayJob, a requeued SLURM job) continues its run.
-    entrypoint = (f"printenv {CONFIG_ENV} | python -m raytrain_app.cli train - {on_the_cluster(profile)} "
+    entrypoint = (f"printenv {CONFIG_ENV} | python -m {job_entry.__name__} train - {on_the_cluster(profile)} "
                   f"--run-dir {shlex.quote(run_dir)} {'--resume' if resume else '--resume-if-any'}")
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source), max_nodes=max_nodes)
@@ -189,16 +194,23 @@ def job_folder(profile: ClusterProfile) -> Optional[str]:
 
 
 def job_runtime_env(profile: ClusterProfile, working_dir: Optional[str], env_vars: dict[str, str]) -> dict:
-    """The job's runtime_env: its folder (checked for size: Ray uploads it), the profile's pip
-    packages and variables, and `env_vars`."""
-    uploaded = working_dir and profile.kind != "slurm"  # SLURM jobs run in it on a shared filesystem
+    """The job's runtime_env: raytrain-app and what it needs (`package.py`; a SLURM job finds them
+    on its shared filesystem instead), its folder (checked for size: Ray uploads it), the
+    profile's pip packages and variables, this machine's versions (checked again where the job
+    starts) and `env_vars`."""
+    ray_uploads = profile.kind != "slurm"  # SLURM jobs run from a shared filesystem
+    uploaded = working_dir and ray_uploads
     if uploaded:
         check_upload_size(working_dir, profile.runtime_env.excludes, profile.runtime_env.max_upload_mb,
                           profile.source)
+    excludes = list(dict.fromkeys([*(profile.runtime_env.excludes if working_dir else []), *package.SKIPPED]))
     return {
-        **({"working_dir": working_dir, "excludes": profile.runtime_env.excludes} if working_dir else {}),
+        **({"working_dir": working_dir} if working_dir else {}),
+        **({"py_modules": package.py_modules()} if ray_uploads else {}),
+        **({"excludes": excludes} if working_dir or ray_uploads else {}),
         **({"pip": profile.runtime_env.pip} if profile.runtime_env.pip else {}),
-        "env_vars": {**profile.job_env_vars(), **env_vars, **({SHIPPED_FROM_ENV: working_dir} if uploaded else {})},
+        "env_vars": {**profile.job_env_vars(), **env_vars, SUBMITTED_WITH_ENV: Versions.here().to_env(),
+                     **({SHIPPED_FROM_ENV: working_dir} if uploaded else {})},
     }
 
 
