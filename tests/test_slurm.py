@@ -213,8 +213,9 @@ def test_the_rendered_script_for_two_gpu_nodes_asks_slurm_for_them_and_starts_ra
     config = yaml.safe_load(script.split("<<'RAYTRAIN_JOB_CONFIG'\n")[1].split("\nRAYTRAIN_JOB_CONFIG\n")[0])
     assert (config["scaling"]["workers"], config["scaling"]["backend"]) == (8, "nccl")
     entrypoint = next(line for line in script.splitlines() if line.startswith("printenv RAYTRAIN_JOB_CONFIG"))
-    assert entrypoint.startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.cli train - --address auto "
-                                 "--min-nodes $SLURM_JOB_NUM_NODES --node-timeout 900 ") and entrypoint.endswith(" &")
+    assert entrypoint.startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.launch.job_entry train - "
+                                 "--address auto --min-nodes $SLURM_JOB_NUM_NODES --node-timeout 900 ")
+    assert entrypoint.endswith(" &")
     # A range of nodes: SLURM starts the job on as many as it has, up to the max; the workers are a
     # range (elastic), and the job waits for every node of the allocation it got.
     ranged = command(["slurm", "render", "examples/digits.yaml", "--cluster", "cluster/slurm.yaml", "--nodes", "2:4",
