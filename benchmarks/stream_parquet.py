@@ -80,7 +80,7 @@ def write_dataset(out: str, rows: int, files: int, group_rows: int, seed: int) -
     os.makedirs(out)
     schema = pa.schema([("image", pa.list_(pa.uint8(), PIXELS)), ("label", pa.int64())]).with_metadata({
         b"raytrain.shape": json.dumps(list(SHAPE)).encode(), b"raytrain.features": b'"image"',
-        b"raytrain.label": b"label",  # plain text, as scripts/to_parquet.py writes it and the reader reads it
+        b"raytrain.label": b"label",  # plain text, as `raytrain-app convert` writes it and the reader reads it
         b"raytrain.num_classes": b"10"})
     rng = np.random.default_rng(seed)
     for f in range(files):

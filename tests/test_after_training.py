@@ -1,7 +1,8 @@
-"""After training, as a user goes on: a CSV made into Parquet by the converter, trained from its
-own folder with a relative data path, then used from another directory, on raw rows, without
-the training data: `evaluate` (its split and a labelled CSV), `predict` (label-less rows with the
-CSV's columns in another order), `export` in every format into one folder, and `load_model`.
+"""After training, as a user goes on: a CSV made into Parquet by `raytrain-app convert`, trained
+from its own folder with a relative data path, then used from another directory, on raw rows,
+without the training data: `evaluate` (its split and a labelled CSV), `predict` (label-less rows
+with the CSV's columns in another order), `export` in every format into one folder, and
+`load_model`.
 Every one of them must score what the run reported for the checkpoint they all name.
 
 No Ray: training, `evaluate` and `predict` run in local mode (the library calls that the
@@ -15,8 +16,6 @@ import csv
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -56,9 +55,9 @@ def customers(n: int, seed: int) -> pa.Table:
     return pa.table({**table, "plan": plan})
 
 
-def to_parquet(*args) -> None:
-    done = subprocess.run([sys.executable, f"{REPO}/scripts/to_parquet.py", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+def convert(*args) -> None:
+    """`raytrain-app convert ARGS`, here."""
+    done = command(["convert", *map(str, args)], os.getcwd(), timeout=120)
     assert done.returncode == 0, done.stderr
 
 
@@ -68,8 +67,8 @@ def trained(tmp_path_factory):
     project = tmp_path_factory.mktemp("project")
     pv.write_csv(customers(600, 0), project / "train.csv")
     pv.write_csv(customers(150, 1), project / "eval.csv")
-    to_parquet("csv", project / "train.csv", project / "data" / "train", "--label", "plan", "--row-group-rows", 100)
-    to_parquet("csv", project / "eval.csv", project / "data" / "eval", "--label", "plan")
+    convert("csv", project / "train.csv", project / "data" / "train", "--label", "plan", "--row-group-rows", 100)
+    convert("csv", project / "eval.csv", project / "data" / "eval", "--label", "plan")
     (project / "job.yaml").write_text(JOB)
     cwd = os.getcwd()
     os.chdir(project)
@@ -136,7 +135,7 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
     # The converter's label-less mode gives the same rows as Parquet, and the same predictions;
     # an output's missing folders are made, as on object storage (no folders to make there).
     pv.write_csv(rows.drop(["plan"]), "new-rows.csv")
-    to_parquet("csv", "new-rows.csv", "new-parquet", "--no-label")
+    convert("csv", "new-rows.csv", "new-parquet", "--no-label")
     scoring.predict(result.run_dir, "new-parquet/part-00000.parquet", "out/today/preds2.parquet",
                     echo=lambda line: None, local=True)
     assert pq.read_table("out/today/preds2.parquet").column("prediction").to_pylist() == \

@@ -36,7 +36,7 @@ def files(tmp_path_factory):
     pq.write_table(pa.table({"image": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}),
                    d / "empty.parquet")
     pq.write_table(pa.table({"image": [[1.0, 2.0]] * 4, "label": [0, 1, 2, 3]}), d / "tiny.parquet")
-    pq.write_table(pa.table({"image": [[1.0, 2.0]] * 8, "label": ["a"] * 8}), d / "strlabels.parquet")
+    pq.write_table(pa.table({"image": [[1.0, 2.0]] * 8, "label": [True, False] * 4}), d / "boollabels.parquet")
     (d / "notparquet.parquet").write_text("this is not parquet")
     (d / "mixed").mkdir()
     pq.write_table(pa.table({"image": pa.array([[1.0, 2.0]] * 8, pa.list_(pa.float32())), "label": [0, 1] * 4}),
@@ -116,7 +116,7 @@ def cases(d):
         (parquet("nothere.parquet"), "dataset file not found"),
         (parquet("empty.parquet"), "dataset is empty"),
         (parquet("notparquet.parquet"), "not a readable Parquet file"),
-        (parquet("strlabels.parquet"), "must hold numbers or lists of numbers"),
+        (parquet("boollabels.parquet"), "must hold numbers, names or lists of numbers"),
         (parquet("*.nomatch"), "the pattern matches no Parquet file"),
         (parquet("mixed"), "files have different schemas: b.parquet has image: list<element: double>, a.parquet has "
                            "image: list<element: float>"),

@@ -1,9 +1,8 @@
-"""scripts/to_parquet.py on real files, run as users run it (a subprocess): ImageFolder trees and
-CSV files written here, converted, and read back with pyarrow and with the project's reader."""
+"""`raytrain-app convert` on real files, run as users run it (a process of its own): ImageFolder
+trees and CSV files written here, converted, and read back with pyarrow and with the project's
+reader."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,18 +11,21 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from raytrain_app.config.sections import DataConfig
+from raytrain_app.data import build_datasets
 from raytrain_app.data.parquet import read_table
+from raytrain_app.errors import UserError
+from tests.commands import Finished, command
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["zebra", "ant", "moth"]  # created out of order: labels must follow the sorted names
 
 
-def convert(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/to_parquet.py", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+def convert(*args) -> Finished:
+    return command(["convert", *map(str, args)], REPO)
 
 
-def converted(*args) -> subprocess.CompletedProcess:
+def converted(*args) -> Finished:
     result = convert(*args)
     assert result.returncode == 0, result.stderr
     return result
@@ -215,6 +217,35 @@ def test_a_csv_of_several_blocks_fills_row_groups_across_them(tmp_path):
     assert np.array_equal(pa.concat_tables(pq.read_table(f) for f in files).column("id").to_numpy(), values)
 
 
+KINDS = ["dog", "cat", "emu", "cat", "Dog", "dog", "ant", "cat", "emu"]  # "Dog" sorts before "ant"
+
+
+def test_a_label_of_names_becomes_sorted_class_ids_with_the_names_kept(tmp_path):
+    """Numbered as the csv dataset numbers them (sorted names), the names in the metadata, where
+    training on the files finds them; a file lacking some names is numbered like another by --classes."""
+    names = sorted(set(KINDS))
+    assert names == ["Dog", "ant", "cat", "dog", "emu"]
+    (tmp_path / "pets.csv").write_text("w,kind,h\n" + "".join(f"{i},{k},{i / 2}\n" for i, k in enumerate(KINDS)))
+    result = converted("csv", tmp_path / "pets.csv", tmp_path / "out", "--label", "kind", "--rows-per-file", 4)
+    assert result.stdout.strip() == f"wrote 9 rows with 5 classes in 3 files to {tmp_path / 'out'}"
+    table = pa.concat_tables(pq.read_table(f) for f in parts(tmp_path / "out"))
+    assert table.schema.field("kind").type == pa.int64()
+    assert table.column("kind").to_pylist() == [names.index(k) for k in KINDS]
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
+    assert meta["raytrain.classes"] == json.dumps(names) and meta["raytrain.num_classes"] == "5"
+    data = build_datasets(DataConfig(name="parquet", args={"path": str(tmp_path / "out")}))
+    assert data.num_classes == 5 and data.train.stored.classes == tuple(names)
+
+    (tmp_path / "more.csv").write_text("w,kind,h\n1,emu,2.5\n3,ant,4.5\n")
+    converted("csv", tmp_path / "more.csv", tmp_path / "more", "--label", "kind", "--classes", ",".join(names))
+    assert pq.read_table(tmp_path / "more").column("kind").to_pylist() == [4, 1]
+    converted("csv", tmp_path / "more.csv", tmp_path / "alone", "--label", "kind")  # numbered ant 0, emu 1
+    with pytest.raises(UserError, match="its class ids stand for ant, emu, not for the classes trained on, Dog, "
+                                        "ant, cat, dog, emu: convert it with --classes Dog,ant,cat,dog,emu"):
+        build_datasets(DataConfig(name="parquet", args={"path": str(tmp_path / "out"),
+                                                        "eval_path": str(tmp_path / "alone")}))
+
+
 def missing_root(tmp_path):
     return ["images", tmp_path / "nope", tmp_path / "out"], "nope"
 
@@ -263,8 +294,36 @@ def label_or_not(tmp_path):
     return ["csv", tmp_path / "data.csv", tmp_path / "out"], "give --label COLUMN for training data, or --no-label"
 
 
+def misspelt_label(tmp_path):
+    csv_file(tmp_path / "data.csv")
+    return (["csv", tmp_path / "data.csv", tmp_path / "out", "--label", "klas"],
+            "no column 'klas' (did you mean 'klass'?)")
+
+
+def a_name_not_in_classes(tmp_path):
+    (tmp_path / "data.csv").write_text("x,y\n1,cat\n2,owl\n")
+    return (["csv", tmp_path / "data.csv", tmp_path / "out", "--label", "y", "--classes", "cat,dog"],
+            "label 'owl' in column 'y' is not one of the 2 classes of --classes (cat, dog)")
+
+
+def an_empty_name(tmp_path):
+    (tmp_path / "data.csv").write_text("x,y\n1,cat\n2,\n")
+    return ["csv", tmp_path / "data.csv", tmp_path / "out", "--label", "y"], "column 'y' has empty values"
+
+
+def classes_of_numbers(tmp_path):
+    csv_file(tmp_path / "data.csv")
+    return (["csv", tmp_path / "data.csv", tmp_path / "out", "--label", "klass", "--classes", "a,b"],
+            "--classes is for a label of names (")
+
+
+def no_source(tmp_path):
+    return [], "Missing command"
+
+
 @pytest.mark.parametrize("case", [missing_root, parquet_already_there, unreadable_image, empty_class_folder, bad_size,
-                                  unknown_label, string_feature, empty_value, label_or_not],
+                                  unknown_label, string_feature, empty_value, label_or_not, misspelt_label,
+                                  a_name_not_in_classes, an_empty_name, classes_of_numbers, no_source],
                          ids=lambda case: case.__name__)
 def test_user_errors_are_one_line_and_exit_2_leaving_no_files(tmp_path, case):
     args, fragment = case(tmp_path)
@@ -273,5 +332,5 @@ def test_user_errors_are_one_line_and_exit_2_leaving_no_files(tmp_path, case):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     [line] = result.stderr.splitlines()
-    assert line.startswith("to_parquet: ") and fragment in line
+    assert line.startswith("error: ") and fragment in line
     assert {p: p.read_bytes() for p in parts(tmp_path / "out")} == before  # nothing written, nothing overwritten

@@ -5,12 +5,14 @@ import struct
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pv
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from raytrain_app.config.sections import DataConfig, TaskConfig
 from raytrain_app.data import EvalShard, build_datasets
+from raytrain_app.data.preprocess import recipe
 from raytrain_app.errors import ConfigError, UserError
 from raytrain_app.tasks import build_task
 
@@ -98,9 +100,38 @@ def test_empty_and_unlabelled_parquet(tmp_path):
     with pytest.raises(UserError, match="dataset is empty"):
         build_datasets(DataConfig(name="parquet", args={"path": str(empty)}))
     bad = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({"image": [[1.0], [2.0]], "label": ["a", "b"]}), bad)
-    with pytest.raises(UserError, match="label column 'label' must hold numbers or lists of numbers"):
+    pq.write_table(pa.table({"image": [[1.0], [2.0]], "label": [True, False]}), bad)
+    with pytest.raises(UserError, match="label column 'label' must hold numbers, names or lists of numbers"):
         build_datasets(DataConfig(name="parquet", args={"path": str(bad)}))
+
+
+def test_names_are_classes_numbered_in_sorted_order_in_parquet_and_csv(tmp_path):
+    """The same names in a Parquet file and a CSV: the same class ids (sorted names), the names
+    kept; a CSV's features are every other column; a name the training files lack is refused in
+    eval files; a CSV named as Parquet is pointed at `name: csv`."""
+    names = ["owl", "cat", "emu", "cat", "owl", "ant"] * 3
+    table = pa.table({"a": [float(i) for i in range(18)], "b": [i % 4 for i in range(18)], "kind": names})
+    pq.write_table(table, tmp_path / "t.parquet")
+    pv.write_csv(table, tmp_path / "t.csv")
+    ids = [["ant", "cat", "emu", "owl"].index(n) for n in names]
+    for name, args in (("parquet", {"path": str(tmp_path / "t.parquet"), "features": ["a", "b"]}),
+                       ("csv", {"path": str(tmp_path / "t.csv")})):  # features: every column but the label
+        data = build_datasets(DataConfig(name=name, eval_fraction=0.2, args={**args, "label": "kind"}))
+        assert data.num_classes == 4 and data.input_shape == (2,)
+        made = recipe(data.train)
+        assert made["classes"] == ["ant", "cat", "emu", "owl"] and made["features"] == ["a", "b"]
+        assert sorted(data.train.y.tolist() + data.eval.y.tolist()) == sorted(ids)
+
+    pv.write_csv(pa.table({"a": [1.0], "b": [2], "kind": ["yak"]}), tmp_path / "eval.csv")
+    with pytest.raises(UserError, match=r"eval.csv: label 'yak' in column 'kind' is not one of the 4 classes trained "
+                                        r"on \(ant, cat, emu, owl\)"):
+        build_datasets(DataConfig(name="csv", args={"path": str(tmp_path / "t.csv"), "label": "kind",
+                                                    "eval_path": str(tmp_path / "eval.csv")}))
+    with pytest.raises(UserError, match=r"t.csv is CSV, not Parquet: read it with data: \{name: csv, "):
+        build_datasets(DataConfig(name="parquet", args={"path": str(tmp_path / "t.csv")}))
+    with pytest.raises(UserError, match=r"t.parquet: no column 'knd' \(did you mean 'kind'\?\)"):
+        build_datasets(DataConfig(name="parquet", args={"path": str(tmp_path / "t.parquet"), "label": "knd",
+                                                        "features": ["a", "b"]}))
 
 
 def test_labels_out_of_range_for_the_model():

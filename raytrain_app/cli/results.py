@@ -41,7 +41,7 @@ def evaluate(run_dir, which, data_set, data_file, workers, address, local, verbo
     Examples:
       raytrain-app evaluate runs/digits-20261123-101500
       raytrain-app evaluate runs/digits-20261123-101500 --checkpoint latest --data-set train --workers 4
-      raytrain-app evaluate runs/churn-20261123-101500 --data new-customers-with-outcomes.csv
+      raytrain-app evaluate runs/iris-20261123-101500 --data examples/iris.csv
     """
     from raytrain_app.inference import scoring
 
@@ -72,8 +72,8 @@ def predict(run_dir, input_path, output, which, workers, batch_size, address, lo
 
     \b
     Examples:
-      raytrain-app predict runs/digits-20261123-101500 --input new.parquet --output preds.parquet
-      raytrain-app predict runs/churn-20261123-101500 --input new-customers.csv --output preds.parquet
+      raytrain-app predict runs/digits-20261123-101500 --input raytrain_app/data/digits.parquet --output preds.parquet
+      raytrain-app predict runs/iris-20261123-101500 --input examples/iris-new.csv --output preds.csv
       raytrain-app predict s3://b/runs/r1 --input s3://b/new.parquet --output s3://b/preds.parquet --workers 8
     """
     from raytrain_app.inference import scoring

@@ -9,8 +9,8 @@ from raytrain_app.config import JobConfig, updated
 from raytrain_app.config.sections import metric_mode
 
 # The arguments of built-in datasets that name files; relative ones are relative to the launch directory.
-DATA_PATHS = {"parquet": ("path", "eval_path"), "mnist": ("root",), "fashion_mnist": ("root",), "cifar10": ("root",),
-              "text": ("path",)}
+DATA_PATHS = {"parquet": ("path", "eval_path"), "csv": ("path", "eval_path"), "mnist": ("root",),
+              "fashion_mnist": ("root",), "cifar10": ("root",), "text": ("path",)}
 
 
 # Set for a job whose working_dir Ray uploads (launch/submission.py), to the folder it came from.

@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from raytrain_app.config import registry
 from raytrain_app.config.sections import DataConfig
 from raytrain_app.data.arrays import ArrayDataset, DeviceBatches, resize_images
-from raytrain_app.data.parquet import digits, parquet
-from raytrain_app.data.parquet_files import ParquetFiles
+from raytrain_app.data.parquet import csv, digits, parquet
+from raytrain_app.data.parquet_files import ParquetFiles, is_text
 from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.data.raydata import RayDataBatches
 from raytrain_app.data.stream import ParquetStream, StreamBatches
@@ -39,6 +39,7 @@ from raytrain_app.errors import UserError
 BUILTINS = {
     "digits": digits,
     "parquet": parquet,
+    "csv": csv,
     "mnist": mnist,
     "fashion_mnist": fashion_mnist,
     "cifar10": cifar10,
@@ -79,7 +80,8 @@ def build_datasets(config: DataConfig) -> Datasets:
 
 
 def _num_classes(*datasets: Dataset) -> Optional[int]:
-    """Known labels for array datasets; otherwise what the dataset declares as `num_classes`, if anything."""
+    """What the dataset declares as `num_classes` (its named classes, a stream's metadata), if
+    anything; else for integer labels of array datasets, the largest + 1."""
     declared = getattr(datasets[0], "num_classes", None)
     if declared is not None:
         return int(declared)
@@ -118,11 +120,21 @@ def labels(dataset: Dataset, indices: range) -> torch.Tensor:
     return torch.stack([torch.as_tensor(dataset[i][1]) for i in indices])
 
 
+def labelled_files(path: str, recipe: dict, format: str = "parquet") -> ParquetFiles:
+    """A labelled Parquet or CSV file as the trained model reads it: its columns, its shape and
+    its class names (the model's, never the file's own: it may lack some, and ids follow names)."""
+    classes = recipe.get("classes")
+    files = ParquetFiles.find(path, feature_columns(recipe), recipe.get("label") or "label", recipe["shape"],
+                              format=format, classes=classes)
+    if not classes and is_text(files.types[files.label]):
+        raise UserError(f"{path}: label column '{files.label}' holds names, but the model was trained on class ids")
+    return files
+
+
 def labelled_file(path: str, recipe: dict) -> ArrayDataset:
     """The rows of a labelled Parquet file as the trained model's eval data: read, resized and
     normalised as its training data was, with the training split's statistics (not the file's)."""
-    files = ParquetFiles.find(path, feature_columns(recipe), recipe.get("label") or "label", recipe["shape"])
-    x, y = files.read()
+    x, y = labelled_files(path, recipe).read()
     if recipe["resize"]:
         x = resize_images(x, recipe["resize"])
     mean, std = (torch.tensor(recipe[k], dtype=torch.float32).reshape(recipe["stats_shape"]) for k in ("mean", "std"))

@@ -43,6 +43,12 @@ class ArrayDataset(Dataset):
         return x, self.y[idx]
 
     @property
+    def num_classes(self) -> Optional[int]:
+        """Where labels were names, how many there are (a class may be missing from a split); else
+        None, and the labels say (`data.class_count`)."""
+        return len(self.stored.classes) if self.stored.classes else None
+
+    @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x.shape[1:])
 
@@ -100,12 +106,14 @@ def make_pair(
     augment: bool = False,
     features: Union[str, tuple[str, ...], None] = None,
     label: Optional[str] = None,
+    classes: Optional[Sequence[str]] = None,
 ) -> tuple[ArrayDataset, ArrayDataset]:
     """Train and eval datasets that share the training split's per-channel mean and std; `features`
-    and `label` name the table columns the samples came from, if any."""
+    and `label` name the table columns the samples came from, if any, and `classes` the names of
+    the class ids, where the labels were names."""
     if len(y_train) == 0 or len(y_eval) == 0:
         raise UserError(f"dataset is empty: {len(y_train)} training and {len(y_eval)} eval samples")
-    stored = Stored(tuple(x_train.shape[1:]), resize, features, label)
+    stored = Stored(tuple(x_train.shape[1:]), resize, features, label, tuple(classes) if classes else None)
     if resize:
         x_train, x_eval = resize_images(x_train, resize), resize_images(x_eval, resize)
     mean, std = channel_stats(x_train[: 50_000])

@@ -6,6 +6,9 @@ new rows and without the training data, needs exactly those steps again, so the 
 records them in every checkpoint (`recipe`), `export` copies them into its JSON, and
 `Preprocess` applies them as a module in front of the model (`models.TrainedModel`), where
 TorchScript and ONNX exports include them.
+
+The recipe also keeps the label's class names, where the labels were names: new data must map
+names to ids as training did (not as its own names would sort), and predictions are shown by name.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class Stored:
     resize: int = 0  # images are resized to resize x resize (bilinear) before normalisation
     features: Union[str, tuple[str, ...], None] = None  # the table column(s) they come from, in order
     label: Optional[str] = None  # the table's label column
+    classes: Optional[tuple[str, ...]] = None  # the names of class ids 0, 1, ..., where the labels were names
 
 
 def recipe(train) -> Optional[dict]:
@@ -37,7 +41,8 @@ def recipe(train) -> Optional[dict]:
     mean, std = train.mean.float().cpu(), train.std.float().cpu()
     features = list(stored.features) if isinstance(stored.features, tuple) else stored.features
     return {"features": features, "label": stored.label, "shape": list(stored.shape), "resize": stored.resize,
-            "mean": mean.flatten().tolist(), "std": std.flatten().tolist(), "stats_shape": list(mean.shape)}
+            "mean": mean.flatten().tolist(), "std": std.flatten().tolist(), "stats_shape": list(mean.shape),
+            "classes": list(stored.classes) if stored.classes else None}
 
 
 def feature_columns(recipe: Optional[dict], default: Union[str, list, None] = None) -> Union[str, list[str]]:

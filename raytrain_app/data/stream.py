@@ -56,7 +56,7 @@ def stream_pair(files: ParquetFiles, eval_files: Optional[ParquetFiles], eval_fr
         if len(groups) < 2:
             raise UserError(f"data.args.streaming: {files.path} is a single row group, which cannot be split into "
                             "training and eval data: give data.args.eval_path, or write it in several row groups "
-                            "(scripts/to_parquet.py does)")
+                            "(raytrain-app convert does)")
         order = np.random.default_rng(split_seed).permutation(len(groups))
         n_eval = min(len(groups) - 1, max(1, round(len(groups) * eval_fraction)))
         eval_groups = [groups[i] for i in sorted(order[:n_eval])]
@@ -65,7 +65,8 @@ def stream_pair(files: ParquetFiles, eval_files: Optional[ParquetFiles], eval_fr
     first = train.decode(train.read_rows(range(len(train_groups)), 0, min(NORM_ROWS, len(train))))
     train.mean, train.std = first.mean, first.std
     features = files.features if isinstance(files.features, str) else tuple(files.features)
-    train.stored = replace(first.stored, resize=resize, features=features, label=files.label)
+    train.stored = replace(first.stored, resize=resize, features=features, label=files.label,
+                           classes=tuple(files.classes) if files.classes else None)
     return train, ParquetStream(eval_files or files, eval_groups, train.mean, train.std, buffer_rows, resize, False)
 
 
@@ -93,7 +94,9 @@ class ParquetStream(Dataset):
 
     @property
     def num_classes(self) -> Optional[int]:
-        """From the files' metadata, or the largest integer label in the footers' statistics."""
+        """The named classes, the files' metadata, or the largest integer label in the footers' statistics."""
+        if self.files.classes:
+            return len(self.files.classes)
         stored = self.files.metadata.get("raytrain.num_classes")
         if stored:
             return int(stored)
@@ -114,7 +117,7 @@ class ParquetStream(Dataset):
             except (pa.ArrowException, OSError) as e:
                 raise UserError(f"{group.path}: row group {group.index} is not readable: {explain(e)}") from None
         return label_tensor(pa.chunked_array([c for column in columns for c in column.chunks]).combine_chunks(),
-                            self.files.path, self.files.label)
+                            self.files.path, self.files.label, self.files.classes)
 
     def read_rows(self, order, lo: int, hi: int) -> Iterator[pa.RecordBatch]:
         """Rows [lo, hi) of the row groups laid end to end in `order`, decoding only those."""

@@ -7,7 +7,6 @@ then share one reader, which splits a file by its row groups.
 
 from __future__ import annotations
 
-import difflib
 import posixpath
 
 import pyarrow as pa
@@ -15,13 +14,10 @@ import pyarrow.csv as pv
 import pyarrow.parquet as pq
 
 from raytrain_app import storage
+from raytrain_app.data.parquet_files import csv_reading, is_csv, missing_hint
 from raytrain_app.errors import UserError
 
 ROW_GROUP_ROWS = 10_000
-
-
-def is_csv(path: str) -> bool:
-    return path.lower().endswith((".csv", ".csv.gz"))
 
 
 def columns_of(path: str, what: str) -> list[str]:
@@ -44,10 +40,8 @@ def require(path: str, present: list[str], wanted: list[str], what: str, role: s
     """Every `wanted` column is in the file, or one line naming the first missing and the closest name."""
     for name in wanted:
         if name not in present:
-            close = difflib.get_close_matches(name, present, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (columns: {', '.join(present)})"
             raise UserError(f"{what} {path} has no column '{name}', which the model was trained on as "
-                            f"{role}{hint}")
+                            f"{role}{missing_hint(name, present)}")
 
 
 def as_parquet(path: str, folder: str, what: str) -> str:
@@ -60,7 +54,7 @@ def as_parquet(path: str, folder: str, what: str) -> str:
     out_fs.create_dir(posixpath.dirname(out_inner), recursive=True)
     try:
         with fs.open_input_stream(inner) as source:
-            reader = pv.open_csv(source)
+            reader = pv.open_csv(source, convert_options=csv_reading())
             with out_fs.open_output_stream(out_inner) as f, pq.ParquetWriter(f, reader.schema) as writer:
                 for batch in reader:
                     writer.write_batch(batch, row_group_size=ROW_GROUP_ROWS)

@@ -5,8 +5,9 @@ A checkpoint holds everything needed to resume training (optimizer, schedule, RN
 raytrain-app's own layout; an export holds only what inference needs. Each format writes its
 weights file (`safetensors`, a plain `pt` state_dict, a traced `torchscript` module, an `onnx`
 graph) and `WEIGHTS.json` beside it (`model.safetensors.json`), so several formats share a folder:
-the builder and its arguments, the input the file's forward takes, the output width, and the
-preprocessing the training data had (columns, shape, resize, normalisation).
+the builder and its arguments, the input the file's forward takes, the output width and, where
+the training labels were names, each output's class name, and the preprocessing the training data
+had (columns, shape, resize, normalisation).
 
 safetensors and pt hold the model as built, whose inputs are preprocessed: the JSON says how.
 TorchScript and ONNX hold the preprocessing too, so they take raw rows as the data stores them.
@@ -114,6 +115,7 @@ def _manifest(saved: dict, source: str, format: str, weights_name: str) -> dict:
         "task": task,
         "input_shape": list(saved["input_shape"]),  # what the built model takes, which its builder is given
         "num_classes": saved["num_classes"],  # the output width: classes, targets, or vocabulary
+        "class_names": (recipe or {}).get("classes"),  # output i is class class_names[i] (null: ids only)
         # What this file's forward takes, as a batch of one: where it preprocesses them, raw rows
         # flat, as a table holds them (TorchScript also takes them shaped as `preprocessing.shape`).
         "example_input": _example_spec(task, [math.prod(recipe["shape"])] if raw and recipe else saved["input_shape"]),

@@ -12,7 +12,11 @@ def load_model(path: str, model: Optional[Callable] = None, devices: Optional[Se
                checkpoint: Optional[str] = None):
     """The trained model, weights loaded and in eval mode, taking inputs as the training data
     stored them (raw CSV values, uint8 pixels): it resizes and normalises them itself, as training
-    did. `.model` inside it is the model as built; `.source` says which checkpoint it is.
+    did. `.model` inside it is the model as built; `.source` says which checkpoint it is;
+    `.class_names` names its outputs where the training labels were names (a CSV's `species`
+    column, say): output i is class `class_names[i]`, as training numbered the sorted names, so
+    `model.class_names[model(rows).argmax(1)[0]]` is the first row's class; None for class ids,
+    regression and language models.
 
     `path` is a run directory, a checkpoint directory, or an export (`raytrain-app export`: its
     JSON, its weights file, or their directory); local paths or URIs. In a run directory,

@@ -30,7 +30,8 @@ from raytrain_app.cluster.session import cluster_for
 from raytrain_app.config import JobConfig, registry, updated
 from raytrain_app.config.resolve import absolute_paths
 from raytrain_app.console import count
-from raytrain_app.data import tables
+from raytrain_app.data import labelled_files, tables
+from raytrain_app.data.parquet_files import is_csv
 from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.errors import TrainingFailed, UserError, last_line
 from raytrain_app.rundir import checkpoints
@@ -85,6 +86,11 @@ class Loaded:
         """The input columns the model reads, in order."""
         features = feature_columns(self.recipe, self.job.data.args.get("features"))
         return [features] if isinstance(features, str) else features
+
+    @property
+    def classes(self) -> Optional[list[str]]:
+        """The names of the class ids, where the training labels were names."""
+        return (self.recipe or {}).get("classes")
 
 
 def evaluate(run_dir: str, checkpoint_name: Optional[str] = None, data_set: str = "eval",
@@ -157,14 +163,16 @@ def _scored(loaded: "Loaded", out: str, split: str, data_set: str, address: Opti
         from raytrain_app.rundir import plots
 
         classes = result["classes"]
-        if len(classes["support"]) <= MAX_CLASS_LINES:
-            echo(f"{'class':>5}  {'precision':>9}  {'recall':>6}  {'f1':>6}  {'support':>7}")
-            for c, values in enumerate(zip(*(classes[k] for k in ("precision", "recall", "f1", "support")))):
-                echo(f"{c:>5}  {values[0]:>9.4f}  {values[1]:>6.4f}  {values[2]:>6.4f}  {values[3]:>7}")
+        names = classes.get("names") or [str(c) for c in range(len(classes["support"]))]
+        if len(names) <= MAX_CLASS_LINES:
+            width = max(5, *map(len, names))
+            echo(f"{'class':>{width}}  {'precision':>9}  {'recall':>6}  {'f1':>6}  {'support':>7}")
+            for name, *values in zip(names, *(classes[k] for k in ("precision", "recall", "f1", "support"))):
+                echo(f"{name:>{width}}  {values[0]:>9.4f}  {values[1]:>6.4f}  {values[2]:>6.4f}  {values[3]:>7}")
 
         try:
-            picture = plots.confusion(result["classes"]["confusion"], f"{loaded.chosen.name} on {split}",
-                                      out.removesuffix(".json") + "-confusion.png")
+            picture = plots.confusion(classes["confusion"], f"{loaded.chosen.name} on {split}",
+                                      out.removesuffix(".json") + "-confusion.png", classes.get("names"))
             echo(f"confusion matrix: {picture}")
         except UserError as e:  # no matplotlib: the numbers are in the JSON
             echo(f"warning: no confusion matrix picture: {e}")
@@ -237,7 +245,7 @@ def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out:
         result = {"checkpoint": loaded.directory, "data_set": data or data_set, "workers": ctx.get_world_size(),
                   "metrics": {f"{prefix}_{k}": v for k, v in task.metrics(sums).items()}}
         if isinstance(task, Classification):
-            result["classes"] = class_report(sums)
+            result["classes"] = class_report(sums, loaded.classes)
         storage.write_text(out, json.dumps(result, indent=1) + "\n")
 
 
@@ -253,6 +261,8 @@ def _labelled_input(loaded: Loaded, path: str, scratch: str) -> str:
     label = loaded.recipe.get("label") or "label"
     tables.require(path, present, loaded.features(), "--data", "an input")
     tables.require(path, present, [label], "--data", "the label")
+    # Every label a class the model knows, by the checkpoint's names: read alone, before Ray starts.
+    labelled_files(path, loaded.recipe, "csv" if is_csv(path) else "parquet").labels()
     return tables.as_parquet(storage.normalize(path), scratch, "--data")  # the workers run elsewhere
 
 
@@ -263,9 +273,10 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
     input's order, with the row number (and the input's `id` column, if it has one); returns the
     row count. The input holds the training data's feature columns by name (in any order, other
     columns ignored) or the one packed column it had, with raw values: the model preprocesses
-    them as training did. Classification: `prediction` (the class) and `probability`;
-    regression: `prediction` (the value, or a list for several targets). `local`: in this process,
-    with no Ray cluster, or on Ray (False); None chooses (see `_placed`)."""
+    them as training did. Classification: `prediction` (the class id), `label` (its name, where
+    the training labels were names: the checkpoint's, as training numbered them) and
+    `probability`; regression: `prediction` (the value, or a list for several targets). `local`:
+    in this process, with no Ray cluster, or on Ray (False); None chooses (see `_placed`)."""
     output_format(output)
     loaded, local = _placed(run_dir, checkpoint_name, workers, address, local)
     loaded.check_builders(with_data=False)
@@ -326,6 +337,7 @@ def predict_row_groups(loaded: Loaded, input_path: str, features: list[str], gro
     source = pq.ParquetFile(fs.open_input_file(path))
     starts = np.cumsum([0] + [source.metadata.row_group(g).num_rows for g in range(source.metadata.num_row_groups)])
     keep_id = "id" in source.schema_arrow.names
+    names = pa.array(loaded.classes, pa.string()) if loaded.classes else None
     packed = features[0] if len(features) == 1 else features  # one list column, or scalar columns side by side
     for g in groups:
         pieces, row = [], int(starts[g])
@@ -340,7 +352,10 @@ def predict_row_groups(loaded: Loaded, input_path: str, features: list[str], gro
                 piece["id"] = batch.column("id")
             if loaded.job.task.name == "classification":
                 probability, label = torch.softmax(out.float(), dim=1).max(dim=1)
-                piece.update(prediction=pa.array(label.numpy()), probability=pa.array(probability.numpy()))
+                piece["prediction"] = pa.array(label.numpy())
+                if names is not None:
+                    piece["label"] = names.take(piece["prediction"])
+                piece["probability"] = pa.array(probability.numpy())
             else:
                 values = out.float().numpy()
                 piece["prediction"] = pa.array(values[:, 0] if values.shape[1] == 1 else list(values))

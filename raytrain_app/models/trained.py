@@ -16,13 +16,16 @@ from raytrain_app.models import build_model
 class TrainedModel(nn.Module):
     """`forward(x)`: `model(preprocess(x))`. `.model` is the model as its builder made it (its
     inputs normalised), `.preprocess` what comes before it (nothing for token ids or a builder's
-    own dataset), `.source` the checkpoint or export it was loaded from."""
+    own dataset), `.source` the checkpoint or export it was loaded from, `.class_names` the name
+    of each output class where the training labels were names (else None)."""
 
-    def __init__(self, model: nn.Module, preprocess: Optional[Preprocess] = None, source: str = ""):
+    def __init__(self, model: nn.Module, preprocess: Optional[Preprocess] = None, source: str = "",
+                 class_names: Optional[list[str]] = None):
         super().__init__()
         self.preprocess = preprocess if preprocess is not None else nn.Identity()
         self.model = model
         self.source = source
+        self.class_names = class_names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(self.preprocess(x))
@@ -36,4 +39,4 @@ def rebuild(config: ModelConfig, builder: Union[str, Callable, None], input_shap
     if builder is not None:
         config = config.model_copy(update={"name": builder})
     model = build_model(config, tuple(input_shape), num_classes, devices)
-    return TrainedModel(model, Preprocess(recipe) if recipe else None, source)
+    return TrainedModel(model, Preprocess(recipe) if recipe else None, source, (recipe or {}).get("classes"))

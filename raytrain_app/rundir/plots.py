@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import pyarrow as pa
 
@@ -78,9 +78,10 @@ def figure(run_dirs: list[str]) -> Figure:
     return fig
 
 
-def confusion(matrix: list[list[int]], title: str, output: str) -> str:
+def confusion(matrix: list[list[int]], title: str, output: str, names: Optional[list[str]] = None) -> str:
     """The confusion matrix of an evaluation as a PNG at `output` (rows: true class, columns:
-    predicted; each cell's count written in it, up to 30 classes); returns where it is."""
+    predicted, by `names` where the classes have names; each cell's count written in it, up to
+    30 classes); returns where it is."""
     Figure, FigureCanvasAgg = _matplotlib()
     classes = len(matrix)
     side = min(12.0, 2.5 + 0.45 * classes)
@@ -91,8 +92,8 @@ def confusion(matrix: list[list[int]], title: str, output: str) -> str:
     fig.colorbar(image, ax=ax, shrink=0.8)
     ax.set(title=title, xlabel="predicted class", ylabel="true class")
     if classes <= 30:
-        ax.set_xticks(range(classes))
-        ax.set_yticks(range(classes))
+        ax.set_xticks(range(classes), **({"labels": names, "rotation": 90} if names else {}))
+        ax.set_yticks(range(classes), labels=names)
         peak = max(max(row) for row in matrix) or 1
         for t, row in enumerate(matrix):
             for p, count in enumerate(row):

@@ -228,14 +228,16 @@ def class_weights(setting, counts: torch.Tensor) -> torch.Tensor:
     return torch.where(counts > 0, counts.sum() / (len(counts) * counts.clamp_min(1)), 0.0).float()
 
 
-def class_report(s: Sums) -> dict:
+def class_report(s: Sums, names: Optional[list[str]] = None) -> dict:
     """Per-class precision, recall, F1 and support, and the confusion matrix (rows: true class,
-    columns: predicted), from all-reduced evaluation sums of a Classification(confusion=True)."""
+    columns: predicted), from all-reduced evaluation sums of a Classification(confusion=True);
+    with the classes' `names` first, where the labels were names."""
     confusion = s["confusion"].long().cpu()
     tp = confusion.diag().double()
     predicted, support = confusion.sum(0).double(), confusion.sum(1).double()
     precision = torch.where(predicted > 0, tp / predicted.clamp_min(1), 0.0)
     recall = torch.where(support > 0, tp / support.clamp_min(1), 0.0)
     f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp_min(1e-12), 0.0)
-    return {"precision": precision.tolist(), "recall": recall.tolist(), "f1": f1.tolist(),
-            "support": support.long().tolist(), "confusion": confusion.tolist()}
+    return {**({"names": list(names)} if names else {}), "precision": precision.tolist(),
+            "recall": recall.tolist(), "f1": f1.tolist(), "support": support.long().tolist(),
+            "confusion": confusion.tolist()}

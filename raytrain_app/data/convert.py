@@ -1,13 +1,14 @@
-"""Convert an ImageFolder tree or a CSV file into sharded Parquet files for the `parquet` reader.
-
-    python scripts/to_parquet.py images ROOT OUT_DIR [--size 32] [--grey] [--seed 0]
-    python scripts/to_parquet.py csv FILE.csv OUT_DIR --label COLUMN [--features a,b,c]
-    python scripts/to_parquet.py csv NEW.csv OUT_DIR --no-label [--features a,b,c]     # rows to predict
+"""`raytrain-app convert`: an ImageFolder tree or a CSV file made into sharded Parquet files for
+the `parquet` dataset, and its streaming reader.
 
 Both write OUT_DIR/part-00000.parquet, part-00001.parquet, ... with one schema, and metadata that
 lets the reader find the columns without a config: `raytrain.features`, `raytrain.shape`,
 `raytrain.num_classes` and `raytrain.classes` as JSON, `raytrain.label` and `raytrain.source` as
-plain text (as the reader and `sklearn_to_parquet.py` use them).
+plain text (as the reader and `scripts/sklearn_to_parquet.py` use them).
+
+A label of names is stored as class ids, numbered as the `csv` dataset numbers them (the sorted
+names, `parquet_files.class_names`), with the names in `raytrain.classes`: a model trained on the
+files knows them, and a file converted with another file's `--classes` numbers them the same.
 
 The streaming reader shards and shuffles by row group, and shuffles rows only within a window of
 them: so files are cut into many row groups, and image rows are shuffled before writing (an
@@ -18,25 +19,23 @@ Neither the images nor the CSV are held whole: rows are made and written a row g
 A failed run removes the files it wrote, so OUT_DIR never holds half a dataset.
 """
 
+from __future__ import annotations
+
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-import click
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pv
 import pyarrow.parquet as pq
-from PIL import Image
+
+from raytrain_app.data.parquet_files import class_ids, class_names, csv_reading, is_text, missing_hint
+from raytrain_app.errors import UserError
 
 IMAGE_SUFFIXES = (".bmp", ".jpeg", ".jpg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")  # torchvision's
-
-
-class UserError(click.ClickException):
-    """A problem the user can fix."""
 
 
 def metadata(**values) -> dict:
@@ -104,31 +103,13 @@ def prepare(out: Path) -> None:
         raise UserError(f"cannot create {out}: {e.strerror}") from None
 
 
-def sharding(command):
-    """The options both sources share."""
-    command = click.option("--row-group-rows", type=click.IntRange(min=1), default=4096, show_default=True,
-                           help="Rows per row group: the unit the streaming reader shards and shuffles.")(command)
-    return click.option("--rows-per-file", type=click.IntRange(min=1), default=50_000, show_default=True,
-                        help="Rows per Parquet file.")(command)
+def images(root: Path, out_dir: Path, size: int = 32, grey: bool = False, seed: int = 0, rows_per_file: int = 50_000,
+           row_group_rows: int = 4096) -> str:
+    """Images in ROOT/CLASS_NAME/ folders (torchvision's ImageFolder layout), resized to
+    `size` x `size`; label i is the i-th class folder in sorted order, as ImageFolder numbers
+    them. Returns what was written, in words."""
+    from PIL import Image
 
-
-@click.group(no_args_is_help=False)  # "Missing command." on one line, as every other error
-def cli() -> None:
-    """Convert images or a CSV file into sharded Parquet files for raytrain-app."""
-
-
-@cli.command()
-@click.argument("root", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--size", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Resize every image to SIZE x SIZE (bilinear).")
-@click.option("--grey", is_flag=True, help="One grey channel instead of RGB.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the row shuffle.")
-@sharding
-def images(root: Path, out_dir: Path, size: int, grey: bool, seed: int, rows_per_file: int,
-           row_group_rows: int) -> None:
-    """Images in ROOT/CLASS_NAME/ folders (torchvision's ImageFolder layout). Label i is the i-th
-    class folder in sorted order, as ImageFolder numbers them."""
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     if not classes:
         raise UserError(f"{root} has no class folders (expected ROOT/CLASS_NAME/IMAGE)")
@@ -166,56 +147,74 @@ def images(root: Path, out_dir: Path, size: int, grey: bool, seed: int, rows_per
 
     prepare(out_dir)
     rows, files = write_parts(batches(), schema, out_dir, rows_per_file, row_group_rows)
-    click.echo(f"wrote {rows} rows of {len(classes)} classes in {files} files to {out_dir}")
+    return f"wrote {rows} rows of {len(classes)} classes in {files} files to {out_dir}"
 
 
-@cli.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--label", help="The label column.")
-@click.option("--no-label", is_flag=True, help="New rows without a label, for `raytrain-app predict`.")
-@click.option("--features", help="Feature columns, comma-separated (default: every column but the label).")
-@sharding
-def csv(file: Path, out_dir: Path, label: Optional[str], no_label: bool, features: Optional[str],
-        rows_per_file: int, row_group_rows: int) -> None:
-    """A CSV file with a header row and numeric columns. Types are pyarrow's inference from the
-    first block: integer features stay int64, real ones become float32. An integer label is a
-    class id and gives num_classes (its maximum + 1); a real one is a regression target. With
-    --no-label the rows are new data to predict, with the same feature columns.
+def csv(file: Path, out_dir: Path, label: Optional[str] = None, no_label: bool = False,
+        features: Optional[list[str]] = None, classes: Optional[list[str]] = None, rows_per_file: int = 50_000,
+        row_group_rows: int = 4096) -> str:
+    """A CSV file with a header row and numeric feature columns (every column but the label
+    unless `features` names them). Types are pyarrow's inference from the first block: integer
+    features stay int64, real ones become float32. An integer label is a class id and gives
+    num_classes (its maximum + 1); a label of names is stored as class ids, by `classes` (another
+    conversion's, so that both number them alike) or the sorted names; a real one is a regression
+    target. With `no_label` the rows are new data to predict, with the same feature columns.
+    Returns what was written, in words.
 
-    The file is read twice: a first pass checks every value and finds the largest label before
-    anything is written, since every file's schema must carry num_classes."""
+    The file is read twice: a first pass checks every value and finds the largest label, or the
+    names, before anything is written, since every file's schema must carry them."""
     if bool(label) == no_label:
         raise UserError("give --label COLUMN for training data, or --no-label for new rows to predict")
     names = open_csv(file).schema.names
-    columns = features.split(",") if features else [c for c in names if c != label]
+    columns = features or [c for c in names if c != label]
     wanted = columns + ([label] if label else [])
     unknown = [c for c in wanted if c not in names]
     if unknown:
-        raise UserError(f"{file}: no column '{unknown[0]}' (columns: {', '.join(names)})")
+        raise UserError(f"{file}: no column '{unknown[0]}'{missing_hint(unknown[0], names)}")
     repeated = [c for c in wanted if wanted.count(c) > 1]
     if repeated:
         raise UserError(f"{file}: column '{repeated[0]}' is named twice in --features and --label")
 
     reader = open_csv(file, wanted)
-    schema = pa.schema([(f.name, stored_type(f, file)) for f in reader.schema])
-    rows_seen, highest = 0, []
+    named = bool(label) and is_text(reader.schema.field(label).type)
+    if classes and not named:
+        held = f"{file}: label column '{label}' holds {reader.schema.field(label).type}" if label else "--no-label"
+        raise UserError(f"--classes is for a label of names ({held})")
+    if classes and len(set(classes)) < len(classes):
+        raise UserError(f"--classes names a class twice: {','.join(classes)}")
+    schema = pa.schema([(f.name, pa.int64() if named and f.name == label else stored_type(f, file))
+                        for f in reader.schema])
+    rows_seen, highest, distinct = 0, [], []
     for batch in checked(reader, file):
         rows_seen += batch.num_rows
-        if label:
+        if named:
+            distinct.append(pc.unique(batch.column(label)))  # a batch's distinct names: few
+        elif label:
             highest.append(pc.max(batch.column(label)).as_py())
     if not rows_seen:
         raise UserError(f"{file} has no rows")
-    num_classes = max(highest) + 1 if label and schema.field(label).type == pa.int64() else None
+    if named:
+        found = class_names(distinct, str(file), label)
+        class_ids(pa.array(found), classes or found, str(file), label, "of --classes")  # each one of them
+        classes = classes or found
+        num_classes = len(classes)
+    else:
+        num_classes = max(highest) + 1 if label and schema.field(label).type == pa.int64() else None
     schema = schema.with_metadata(metadata(features=columns, label=label, shape=[len(columns)],
-                                           num_classes=num_classes, source=f"csv:{file}"))
+                                           num_classes=num_classes, classes=classes if named else None,
+                                           source=f"csv:{file}"))
+
+    def stored(batch: pa.RecordBatch, field: pa.Field) -> pa.Array:
+        if named and field.name == label:
+            return pa.array(class_ids(batch.column(label), classes, str(file), label))
+        return batch.column(field.name).cast(field.type)
 
     prepare(out_dir)
-    batches = (pa.record_batch([batch.column(f.name).cast(f.type) for f in schema], schema=schema)
+    batches = (pa.record_batch([stored(batch, f) for f in schema], schema=schema)
                for batch in checked(open_csv(file, schema.names), file))
     rows, files = write_parts(batches, schema, out_dir, rows_per_file, row_group_rows)
     target = (f"{num_classes} classes" if num_classes is not None else "a real-valued label") if label else "no label"
-    click.echo(f"wrote {rows} rows with {target} in {files} files to {out_dir}")
+    return f"wrote {rows} rows with {target} in {files} files to {out_dir}"
 
 
 def stored_type(field: pa.Field, file: Path) -> pa.DataType:
@@ -229,9 +228,10 @@ def stored_type(field: pa.Field, file: Path) -> pa.DataType:
 
 
 def open_csv(file: Path, columns: Optional[list] = None) -> pv.CSVStreamingReader:
-    """A reader of the CSV's `columns` (all by default), which parses the first block to infer types."""
+    """A reader of the CSV's `columns` (all by default), which parses the first block to infer
+    types; empty fields are missing values, as the `csv` dataset reads them."""
     try:
-        return pv.open_csv(file, convert_options=pv.ConvertOptions(include_columns=columns))
+        return pv.open_csv(file, convert_options=csv_reading(columns))
     except pa.ArrowInvalid as e:
         raise UserError(f"{file}: {str(e).splitlines()[0]}") from None
 
@@ -250,16 +250,3 @@ def checked(reader: pv.CSVStreamingReader, file: Path) -> Iterator[pa.RecordBatc
             if column.null_count:
                 raise UserError(f"{file}: column '{name}' has empty values")
         yield batch
-
-
-def main() -> None:
-    """Every user error, click's own included, as one line and exit code 2."""
-    try:
-        cli.main(prog_name="to_parquet.py", standalone_mode=False)
-    except click.ClickException as e:
-        print(f"to_parquet: {e.format_message()}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
