@@ -87,9 +87,9 @@ def submit(follow, dry_run, smoke, **job):
 
     \b
     Examples:
-      raytrain-app submit job.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
-      raytrain-app submit job.yaml --cluster cluster/slurm.yaml --nodes 2 --dry-run
-      raytrain-app submit train.py --cluster cluster/aws-gpu.yaml --no-wait -- --lr 0.1
+      raytrain-app submit examples/digits.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
+      raytrain-app submit examples/iris.yaml --cluster cluster/slurm.yaml --nodes 2 --dry-run
+      raytrain-app submit examples/torchrun_script/train.py --cluster cluster/aws-gpu.yaml --no-wait -- --epochs 4
     """
     with exit_codes():
         profile = profile_at(job.pop("profile_file"))
@@ -269,7 +269,7 @@ def slurm_render(**job):
 
     \b
     Examples:
-      raytrain-app slurm render job.yaml --cluster cluster/slurm.yaml --nodes 2 --gpus-per-node 4 > job.sbatch
+      raytrain-app slurm render examples/digits.yaml --cluster cluster/slurm.yaml --nodes 2 > job.sbatch
       # then, on a login node: sbatch job.sbatch
     """
     with exit_codes():
@@ -291,7 +291,7 @@ def k8s_render(**job):
 
     \b
     Examples:
-      raytrain-app k8s render job.yaml --cluster cluster/kuberay.yaml --nodes 2 --gpus-per-node 4 > rayjob.yaml
+      raytrain-app k8s render examples/digits.yaml --cluster cluster/kuberay.yaml --nodes 2 > rayjob.yaml
       # then: kubectl apply -f rayjob.yaml
     """
     with exit_codes():

@@ -65,7 +65,7 @@ def train(config_file, script_args, workers, gpus_per_worker, run_dir, overrides
     Examples:
       raytrain-app train examples/digits.yaml --workers 2 --local
       raytrain-app train examples/digits.yaml --run-dir s3://bucket/runs/d1 --set optimizer.lr=0.05
-      raytrain-app train train.py --workers 4 --max-failures 2 -- --epochs 3
+      raytrain-app train examples/torchrun_script/train.py --workers 4 --max-failures 2 -- --epochs 3
     """
     from raytrain_app.api import fit
     from raytrain_app.config import flag_overrides
@@ -122,9 +122,10 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
 
     \b
     Examples:
-      raytrain-app sweep job.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --param train.batch_size=choice:32,64,128
+      raytrain-app sweep examples/digits.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --samples 8
+      raytrain-app sweep examples/digits.yaml --param train.batch_size=choice:32,64,128
       raytrain-app sweep --resume sweeps/digits-20261124-101500
-      raytrain-app sweep job.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --cluster cluster/slurm.yaml --nodes 4
+      raytrain-app sweep examples/digits.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --cluster cluster/slurm.yaml
     """
     from raytrain_app.api import job_config
     from raytrain_app.config import flag_overrides
@@ -154,11 +155,11 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
                 engine.check_ready()
             send(engine, sweep_plan.submission(plan, profile, directory, nodes, bool(resume_dir)), follow, dry_run)
             return
-        from raytrain_app.driver.sweep import run
+        from raytrain_app.driver.sweep import how_to_continue, run
 
         outcome = run(plan, directory, bool(resume_dir), address, verbose, click.echo, min_nodes, node_timeout)
         if outcome.interrupted:
-            click.echo(f"interrupted: `raytrain-app sweep --resume {directory}` continues", err=True)
+            click.echo(f"interrupted: {how_to_continue(directory)}", err=True)
             sys.exit(130)
 
 
@@ -194,7 +195,7 @@ def config_show(config_file, overrides, workers, gpus_per_worker):
     \b
     Examples:
       raytrain-app config show examples/digits.yaml
-      raytrain-app config show job.yaml --gpus-per-worker 1
+      raytrain-app config show examples/charlm.yaml --gpus-per-worker 1
     """
     from raytrain_app.config import dump_yaml, flag_overrides, load_config
     from raytrain_app.config.resolve import resolve_auto
