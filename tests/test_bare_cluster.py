@@ -61,6 +61,8 @@ def test_a_job_brings_raytrain_app_to_a_cluster_that_never_saw_it(bare, tmp_path
     assert "raytrain-app" not in proc.stderr  # nothing installed there to replace
     [run_dir] = [str(p) for p in (tmp_path / "runs").iterdir() if p.name.startswith("digits-")]
     assert epochs_in(run_dir) == [1]
+    # No matplotlib there (a compiled package the job does not bring): the curves are drawn later.
+    assert f"draw it later where matplotlib is: raytrain-app report {run_dir}" in proc.stdout
 
 
 def test_a_torchrun_style_script_importing_raytrain_app_runs_there(bare, tmp_path):

@@ -24,6 +24,7 @@ from raytrain_app.driver import local
 from raytrain_app.driver.params import Param
 from raytrain_app.errors import UserError
 from raytrain_app.launch.submission import (
+    JOB_ENTRY,
     Submission,
     gpus_per_worker,
     job_folder,
@@ -172,8 +173,7 @@ def submission(sweep: Sweep, profile: ClusterProfile, sweep_dir: Optional[str], 
     job_id = new_job_id(f"{sweep.config.name}-sweep")
     # A local path as the cluster sees it: its jobs run in their working_dir, not here.
     sweep_dir = storage.normalize(sweep_dir or storage.join(storage.normalize(profile.storage), job_id))
-    entrypoint = (f"python -m raytrain_app.cli sweep --resume {shlex.quote(sweep_dir)} "
-                  f"{on_the_cluster(profile)}")
+    entrypoint = f"{JOB_ENTRY} sweep --resume {shlex.quote(sweep_dir)} {on_the_cluster(profile)}"
     runtime_env = job_runtime_env(profile, job_folder(profile), {})
     return Submission(profile, sweep.config, job_id, sweep_dir, nodes, per_node, runtime_env, entrypoint,
                       files={} if resume else {SPEC_FILE: sweep.spec()}, sweep=sweep.describe())

@@ -26,7 +26,7 @@ from raytrain_app import rundir, storage, tracking
 from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes
 from raytrain_app.cluster.session import lost_local_node
 from raytrain_app.config import JobConfig, dump_yaml
-from raytrain_app.config.sections import ScalingConfig
+from raytrain_app.config.sections import FailureConfig, ScalingConfig
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.data.raydata import read_train
 from raytrain_app.driver import local, placement
@@ -35,6 +35,7 @@ from raytrain_app.driver.result import Result
 from raytrain_app.driver.signals import handlers_kept, stop_on_usr1
 from raytrain_app.errors import (
     CheckpointNotWritten,
+    RestartsSpent,
     Stopped,
     TrainingFailed,
     UserError,
@@ -46,6 +47,7 @@ from raytrain_app.errors import (
 )
 from raytrain_app.rayinternals import placement_timed_out
 from raytrain_app.rundir import snapshot
+from raytrain_app.worker import preemption
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.worker.preemption import StopFile, StopFlag
 from raytrain_app.worker.script import RestartCount, run_script_per_worker
@@ -167,7 +169,7 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
 
 def _trainer(args: WorkerArgs, config: JobConfig, run_dir: str, history: rundir.MetricsLog,
              callbacks: Sequence[UserCallback]) -> TorchTrainer:
-    callbacks = [RestartNotices(args.events, run_dir, config.failure.max_failures, args.restarts), *callbacks]
+    callbacks = [RestartNotices(args.events, run_dir, config.failure, args.restarts), *callbacks]
     if config.script:
         callbacks.append(ScriptReports(args.events, run_dir, reported=len(history.rows())))  # --resume continues
     return torch_trainer(
@@ -231,9 +233,13 @@ def _fit(trainer: TorchTrainer, config: JobConfig, run_dir: str, watch: placemen
 
 def failure_config(config: JobConfig) -> ray.train.FailureConfig:
     """Ray Train's retry budgets: worker failures, preemptions apart from them, and starts (see
-    `placement.py`; each try's timeout is set in `_ray_train_settings`)."""
+    `placement.py`; each try's timeout is set in `_ray_train_settings`). Ray Train counts a node
+    stopped before its drain's deadline as a plain failure: its `max_failures` is both budgets
+    together, which `RestartNotices` keeps apart."""
     failure = config.failure
-    return ray.train.FailureConfig(max_failures=failure.max_failures,
+    both = -1 if -1 in (failure.max_failures, failure.max_preemption_failures) else \
+        failure.max_failures + failure.max_preemption_failures
+    return ray.train.FailureConfig(max_failures=both,
                                    max_preemption_failures=failure.max_preemption_failures,
                                    preemption_grace_s=failure.preemption_grace_s,
                                    relax_collectives_on_preemption=failure.preemption_grace_s > 0,
@@ -241,13 +247,14 @@ def failure_config(config: JobConfig) -> ray.train.FailureConfig:
 
 
 def _picture(run_dir: str, echo) -> Optional[str]:
-    """RUN_DIR/report.png, the run's curves; a run without matplotlib says how to get them."""
+    """RUN_DIR/report.png, the run's curves; a run without matplotlib (a cluster's image, often)
+    says how to get them, there or later on any machine that has it."""
     from raytrain_app.rundir import plots
 
     try:
         return plots.write([run_dir], storage.join(run_dir, "report.png"))
     except UserError as e:
-        echo(f"warning: no report.png: {e}")
+        echo(f"warning: no report.png: {e}, or draw it later where matplotlib is: raytrain-app report {run_dir}")
         return None
 
 
@@ -364,36 +371,71 @@ class EventListener(threading.Thread):
 
 
 class RestartNotices(UserCallback):
-    """In Ray Train's controller: one console line when a worker fails and the group restarts.
+    """In Ray Train's controller: one console line when a worker fails and the group restarts, and
+    the count of failures against `failure.max_failures` apart from preemptions.
 
     Ray's own account of a dead worker is a paragraph printed by the driver (kept in driver.log);
     this says which rank failed, where, why, and which checkpoint the restart continues from.
-    Failures past `failure.max_failures` end the run and are explained by `explain_failure` instead.
+
+    Ray Train charges a preemption to `max_preemption_failures` only when the node went after its
+    drain's deadline (Ray then marks its workers' deaths `preempted`, or stops the group itself);
+    a node stopped before it (a cloud that reclaims early, a pod's shorter grace) kills the
+    workers in what Ray Train counts as a plain failure. Its policy is not ours to set, so Ray
+    Train gets both budgets as one (`failure_config`) and this keeps them apart: ranks that died
+    within a notice the workers answered (`preemption.ANSWERED`, in the report of the checkpoint
+    they wrote for it) count as a preemption, others as a failure. A budget spent ends the run
+    from here (`RestartsSpent`, which Ray Train raises as a controller error: `explain_failure`
+    words it as it words Ray Train's own).
     """
 
-    def __init__(self, events: Queue, run_dir: str, max_failures: int, restarts=None):
-        self.events, self.run_dir, self.max_failures = events, run_dir, max_failures
+    def __init__(self, events: Queue, run_dir: str, failure: FailureConfig, restarts=None):
+        self.events, self.run_dir = events, run_dir
+        self.budgets = {"restart": failure.max_failures, "preemption": failure.max_preemption_failures}
+        self.grace_ms = failure.preemption_grace_s * 1000
         self.restarts = restarts  # a script run's RestartCount
-        self.failures = 0
+        self.spent = {"restart": 0, "preemption": 0}
         self.latest: Optional[str] = None
+        self.answered: Optional[dict] = None  # the latest notice the workers answered: its ranks and deadline
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if checkpoint is not None:
             self.latest = storage.checkpoint_uri(self.run_dir, checkpoint)
+        self.answered = metrics[0].get(preemption.ANSWERED) or self.answered
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        self.failures += 1
-        if self.max_failures != -1 and self.failures > self.max_failures:
-            return
         # A rank whose process died is the cause; the others' broken collectives are the effect.
         died = [r for r, e in worker_exceptions.items() if process_died(e)]
         rank = min(died or worker_exceptions)
+        what = describe_rank(rank, worker_exceptions[rank])
+        if any(_preempted_by_ray(e) for e in worker_exceptions.values()):  # Ray Train's own count
+            self.events.put(("notice", f"{what}; its node was preempted: restarting from {self.latest or 'the start'}"))
+            return
+        kind = "preemption" if self._drained(died) else "restart"
+        self.answered = None  # the next group's notices are its own
+        self.spent[kind] += 1
+        budget = self.budgets[kind]
+        if budget != -1 and self.spent[kind] > budget:
+            raise RestartsSpent(worker_exceptions)
         if self.restarts is not None:
             self.restarts.add.remote()
-        limit = "unlimited" if self.max_failures == -1 else self.max_failures
-        self.events.put(("notice", f"{describe_rank(rank, worker_exceptions[rank])}; restarting from "
-                                   f"{self.latest or 'the start'} (restart {self.failures} of {limit})"))
-        rundir.record_restart(self.run_dir, "restart", describe_rank(rank, worker_exceptions[rank]))
+        drained = "; its node was being drained (a preemption)" if kind == "preemption" else ""
+        self.events.put(("notice", f"{what}{drained}; restarting from {self.latest or 'the start'} ({kind} "
+                                   f"{self.spent[kind]} of {'unlimited' if budget == -1 else budget})"))
+        rundir.record_restart(self.run_dir, kind, what)
+
+    def _drained(self, died: list[int]) -> bool:
+        """The ranks died within the notice the workers answered: before its deadline (and grace),
+        which Ray Train would have waited out, on the nodes it named."""
+        notice = self.answered
+        if not (notice and died and set(died) <= set(notice["ranks"])):
+            return False
+        return not notice["deadline_ms"] or time.time() * 1000 <= notice["deadline_ms"] + self.grace_ms
+
+
+def _preempted_by_ray(e: BaseException) -> bool:
+    """Ray marked the worker's death a preemption (its node went at its drain's deadline), as
+    Ray Train's policy reads it: a health check's failure wrapping a `RayActorError.preempted`."""
+    return bool(getattr(getattr(e, "health_check_failure", e), "preempted", False))
 
 
 class ScriptReports(UserCallback):
@@ -457,7 +499,9 @@ def torch_trainer(loop, scaling: ScalingConfig, run_config: ray.train.RunConfig,
 def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,
                     run_dir: Optional[str] = None) -> Exception:
     """One clause per failed rank: where it ran and its last error line, not Ray's nested tracebacks."""
-    failures = getattr(error, "worker_failures", None) or {}
+    spent = getattr(error, "controller_failure", None)  # RestartNotices ended the run: the failures that did
+    failures = (spent.worker_failures if isinstance(spent, RestartsSpent) else getattr(error, "worker_failures", None)
+                or {})
     if failures and all(isinstance(e, UserError) for e in failures.values()):
         return UserError(last_line(next(iter(failures.values()))))
     unwritten = [e for e in failures.values() if isinstance(e, CheckpointNotWritten)]

@@ -29,6 +29,7 @@ from raytrain_app.preflight.checks import check_data_and_model, check_script
 from raytrain_app.rundir import lease, snapshot
 
 CONFIG_ENV = "RAYTRAIN_JOB_CONFIG"
+JOB_ENTRY = f"python -m {job_entry.__name__}"  # a job's command on the cluster: no `raytrain-app` script there
 
 
 @dataclass
@@ -140,7 +141,7 @@ def plan_submission(profile: ClusterProfile, config: JobConfig, nodes: Union[int
                        packages=False)
     runtime_env = job_runtime_env(profile, working_dir, {CONFIG_ENV: dump_yaml(config)})
     # A job its scheduler runs again (a retried RayJob, a requeued SLURM job) continues its run.
-    entrypoint = (f"printenv {CONFIG_ENV} | python -m {job_entry.__name__} train - {on_the_cluster(profile)} "
+    entrypoint = (f"printenv {CONFIG_ENV} | {JOB_ENTRY} train - {on_the_cluster(profile)} "
                   f"--run-dir {shlex.quote(run_dir)} {'--resume' if resume else '--resume-if-any'}")
     return Submission(profile, config, submission_id, run_dir, nodes, per_node, runtime_env, entrypoint,
                       warnings + unshipped_imports(config, working_dir, profile.source), max_nodes=max_nodes)
