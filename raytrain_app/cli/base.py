@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import signal
 import sys
 import time
 
@@ -13,6 +14,7 @@ import click
 
 STARTED = time.time()  # start-up is measured from here: Python itself has run ~0.1 s before
 
+from raytrain_app.driver.signals import KEYBOARD_INTERRUPT, after_imports  # noqa: E402
 from raytrain_app.errors import Stopped, TrainingFailed, UserError, last_line  # noqa: E402
 
 EXIT_FAILED, EXIT_USAGE, EXIT_BROKEN_PIPE = 1, 2, 141  # 141: what a shell reports for SIGPIPE
@@ -27,7 +29,7 @@ def main() -> None:
     \b
     Examples:
       raytrain-app train examples/digits.yaml
-      raytrain-app submit job.yaml --cluster cluster/gpu.yaml --nodes 2 --gpus-per-node 4
+      raytrain-app submit examples/digits.yaml --cluster cluster/aws-gpu.yaml --nodes 2 --gpus-per-node 4
       raytrain-app runs
     """
     # The launch directory on the import path, as `python -m` has it and as the workers run
@@ -113,6 +115,8 @@ class exit_codes:
         from raytrain_app.console import route_ray_logs
 
         route_ray_logs(None, verbose=False)
+        if signal.getsignal(signal.SIGINT) is _BEFORE_FRAME:  # from here a Ctrl-C unwinds what the command started
+            signal.signal(signal.SIGINT, KEYBOARD_INTERRUPT)
         return self
 
     def __exit__(self, kind, error, tb):
@@ -168,13 +172,15 @@ def _keep(kind: str, text: str) -> str:
 
 
 def run() -> None:
-    """The console script: click's own usage errors become one line too, like every user error."""
+    """The console script: click's own usage errors become one line too, like every user error,
+    and so does a Ctrl-C before the command's frame (`exit_codes`) is up."""
+    signal.signal(signal.SIGINT, _BEFORE_FRAME)
     try:
         code = main(prog_name="raytrain-app", standalone_mode=False)
     except click.UsageError as e:
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(EXIT_USAGE)
-    except click.Abort:
+    except (click.Abort, _Interrupted):
         click.echo("interrupted", err=True)
         sys.exit(130)
     finally:
@@ -182,3 +188,15 @@ def run() -> None:
         # the command's output, for nothing (what must run at exit runs from atexit).
         gc.freeze()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C while the command line loads and parses, before the command's frame: it has started
+    nothing. Not a KeyboardInterrupt, which click answers with a blank line before its Abort."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise _Interrupted
+
+
+_BEFORE_FRAME = after_imports(_interrupt)

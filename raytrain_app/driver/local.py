@@ -19,6 +19,7 @@ addresses ("connectFullMesh failed ... Connection refused", with plain `torchrun
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -178,12 +179,54 @@ PRELOAD = ["torch", "torch._dynamo", "raytrain_app.worker.local", "raytrain_app.
 
 def start_fork_server() -> None:
     """Start the worker processes' fork server now, so that it imports what workers need while
-    this process checks and plans the run: a launch then forks workers that have it loaded."""
+    this process checks and plans the run: a launch then forks workers that have it loaded.
+
+    Its output goes to /dev/null, as does a rank's until the launcher sends it to the rank's log
+    files. The server is in this process's group, which a terminal's Ctrl-C signals whole: in the
+    middle of its imports (it ignores SIGINT only after them) it would print a KeyboardInterrupt's
+    traceback, and so would a rank forked but not yet in a session of its own, or one that an
+    interrupted launch left half started and that then fails to find the launcher's semaphores.
+    This process says it was interrupted, in one line, and stops them."""
     import multiprocessing.forkserver
+    from multiprocessing import resource_tracker
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    resource_tracker.ensure_running()  # which the server starts first: its warnings of leaked memory are the user's
+    with _output_to(os.devnull):
+        multiprocessing.forkserver.ensure_running()
+    atexit.unregister(_stop_fork_server)  # (registered once)
+    atexit.register(_stop_fork_server, os.getpid())
+
+
+def _stop_fork_server(owner: int) -> None:
+    """At this process's exit (not a fork's of it), its fork server ends too. It would end by
+    itself, but only once done with its imports: after a Ctrl-C at start-up, seconds of a process
+    loading torch for nothing."""
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid  # (the module's one server: it has no public handle)
+    if os.getpid() == owner and pid is not None:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@contextmanager
+def _output_to(path: str):
+    """This process's stdout and stderr (the file descriptors, which a process it starts
+    inherits) go to `path` meanwhile."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    kept, target = [os.dup(1), os.dup(2)], os.open(path, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(target, fd)
+        yield
+    finally:
+        for fd, saved in zip((1, 2), kept):
+            os.dup2(saved, fd)
+            os.close(saved)
+        os.close(target)
 
 
 def _launch(args: WorkerArgs, workers: int, log_dir: str, name: str) -> None:
