@@ -59,6 +59,19 @@ class CheckpointNotWritten(Exception):
         return type(self), (self.step, self.where, self.cause)
 
 
+class RestartsSpent(Exception):
+    """Raised in Ray Train's controller when the workers' failures spend a restart budget that Ray
+    Train does not keep apart itself (`driver/trainer.py`, RestartNotices): the failures, by rank,
+    for the driver to word as Ray Train's own."""
+
+    def __init__(self, worker_failures: dict):
+        self.worker_failures = worker_failures
+        super().__init__(f"the restart budget is spent: ranks {', '.join(map(str, sorted(worker_failures)))} failed")
+
+    def __reduce__(self):  # across Ray
+        return type(self), (self.worker_failures,)
+
+
 class RankFailed(Exception):
     """A worker's own account of its failure, with the node it ran on (a script's exception says
     nothing of where it ran), for `describe_rank`."""
@@ -91,6 +104,11 @@ _EXIT_DETAIL = re.compile(r"Worker exit detail: ([^\n]+?)(?: The (?:process|work
                           re.MULTILINE)
 _IP = re.compile(r"(?<![A-Za-z])ip[=:]\s*'?([0-9a-fA-F.:]+[0-9a-fA-F])")
 _PID = re.compile(r"\bpid[=:]\s*(\d+)")
+# Ray's exit detail for a worker whose connection ended with no word from it: no exception, no exit
+# of its own. Ray has no exit status to give (its raylet lets the kernel reap the worker), so
+# the signal is not known: a SIGKILL (`kill -9`, the OOM killer) or a crash (SIGSEGV).
+_VANISHED = re.compile(r"connection error code 2\. End of file")
+_NODE_DIED = re.compile(r"its node has died")
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 # A collective that broke because a peer's process went away: Gloo's and NCCL's words for it.
 _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
@@ -98,8 +116,9 @@ _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Bro
 
 
 def process_died(e: BaseException) -> bool:
-    """The worker's process is gone (killed, crashed, OOM), as opposed to raising an exception."""
-    return bool(_EXIT_DETAIL.search(str(e)))
+    """The worker's process is gone (killed, crashed, OOM, or with its node), as opposed to raising
+    an exception."""
+    return bool(_EXIT_DETAIL.search(str(e)) or _NODE_DIED.search(str(e)))
 
 
 def peer_gone(e: BaseException) -> bool:
@@ -113,8 +132,11 @@ def timed_out(e: BaseException) -> bool:
 
 def describe(e: BaseException) -> str:
     """`Type: message` for a plain exception; the last line for one that carries a traceback;
-    Ray's exit detail for a worker process that died."""
+    Ray's exit detail for a worker process that died, in plain words where it vanished."""
     died = _EXIT_DETAIL.search(str(e))
+    if died and _VANISHED.search(died.group(1)):
+        return ("worker process died without an exception (Ray gives no exit status: a signal such as SIGKILL, from "
+                "kill -9 or the OOM killer, or a crash)")
     if died:
         return f"worker process died: {died.group(1).strip()}"
     line = last_line(e)

@@ -259,3 +259,70 @@ def drain(proc: subprocess.Popen, profile, worker_leader: int, epochs: int):
         time.sleep(0.2)
     os.killpg(worker_leader, signal.SIGTERM)
     return said, notice
+
+
+def test_a_node_stopped_before_its_drains_deadline_counts_as_a_preemption(two_nodes, tmp_path):
+    """The cloud takes the node before the deadline its notice gave (a pod's grace shorter than the
+    drain's), after the run's checkpoint for it: Ray Train counts the workers' deaths as a plain
+    failure, which `failure.max_failures` (0) would end the run on. The run counts a preemption
+    (`failure.max_preemption_failures`, unlimited) and restarts; with one node left it cannot place
+    its 2 workers, and says so."""
+    nodes = two_nodes
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
+    errors = tmp_path / "stderr"
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
+                             "--run-dir", str(run_dir), "--set", "train.epochs=200",
+                             "--set", "model={name: 'tests.helpers:paced'}", "--set", "checkpoint.every_epochs=100",
+                             "--set", "failure.placement_timeout_s=8"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
+                            start_new_session=True)
+    said = []
+    try:
+        for line in proc.stdout:
+            said.append(line)
+            if re.match(r"epoch +1/200", line):
+                break
+        worker = next(n for n in Dashboard.for_profile(nodes.profile).alive_nodes() if not n.is_head)
+        drain = subprocess.run([sys.executable, "-m", "raytrain_app.cluster.drain", "--deadline-s", "120", "--no-wait",
+                                "--address", f"127.0.0.1:{nodes.profile.ports()['port']}", "--node-id", worker.node_id,
+                                "--reason", "spot reclaim"], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": nodes.profile.token()})
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        notice = None
+        for line in proc.stdout:
+            said.append(line)
+            notice = re.match(r"warning: preemption notice: .*a checkpoint at (?:step (\d+) |the end of epoch (\d+))",
+                              line)
+            if notice:
+                break
+        assert notice, said
+        deadline = time.monotonic() + 60  # the checkpoint answering it, registered by Ray Train's controller
+        while not answered(run_dir, notice):
+            assert time.monotonic() < deadline, "".join(said)
+            time.sleep(0.2)
+        os.killpg(nodes.worker, signal.SIGTERM)  # the node goes, long before its deadline
+        out, _ = proc.communicate(timeout=120)
+        said.append(out)
+    finally:
+        if proc.poll() is None:  # a failed assertion: the run must not outlive the test
+            os.killpg(proc.pid, signal.SIGKILL)
+    console, err = "".join(said), errors.read_text()
+    assert proc.returncode == 1, console + err
+    assert re.search(r"^warning: rank \d on node \S+ \(pid \d+\): .*; its node was being drained \(a preemption\); "
+                     rf"restarting from {run_dir}/checkpoint_\S+ \(preemption 1 of unlimited\)$", console,
+                     re.M), console
+    assert "training failed: the cluster could not place 2 workers within 8s" in err, err
+    assert [json.loads(line)["kind"] for line in (run_dir / rundir.RESTARTS).read_text().splitlines()] == [
+        "preemption"]
+
+
+def answered(run_dir, notice: re.Match) -> bool:
+    """The run's latest checkpoint is the one written for the notice (at its step, or its epoch's end)."""
+    latest = snapshot.latest(str(run_dir))
+    if latest is None:
+        return False
+    position = json.loads(open(os.path.join(latest, rundir.POSITION)).read())
+    step, epoch_end = notice.groups()
+    return position["step"] == int(step) if step else (position["epoch"], position["batch"]) == (int(epoch_end), 0)

@@ -11,6 +11,7 @@ import pickle
 import re
 import time
 
+import psutil
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -81,7 +82,7 @@ def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise_from_the_bucket(st
     assert not marker.exists()  # the fault really happened
     # One line of ours for the dead worker, naming the checkpoint in the bucket the group restarts from.
     assert [line for line in lines if re.fullmatch(
-        rf"warning: rank 0 on node \S+ \(pid \d+\): worker process died: .*; restarting from "
+        rf"warning: rank 0 on node \S+ \(pid \d+\): worker process died without an exception \(.*\); restarting from "
         rf"{run_dir}/checkpoint_\S+ \(restart 1 of 1\)", line)], lines
     log = s3.client().get_object(Bucket=s3.bucket, Key="reliability/killed/logs/rank-0.log")["Body"].read().decode()
     assert log.count("rank 0/2 on node") == 2  # both attempts, in one log kept in the bucket
@@ -172,10 +173,27 @@ def test_a_dead_worker_is_named_before_the_peers_its_death_broke():
                           "RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error [10.0.0.7]:1234: Connection reset")
     error = WorkerGroupError("Training failed.", {0: broken, 1: died})
     message = str(explain_failure(error, job()))
-    assert re.fullmatch(r"rank 1 on node 10\.0\.0\.7 \(pid 4242\): worker process died: Worker unexpectedly "
-                        r"exits with a connection error code 2\. End of file\.; "
-                        r"rank 0: RuntimeError: .*Connection reset",
+    assert re.fullmatch(r"rank 1 on node 10\.0\.0\.7 \(pid 4242\): worker process died without an exception "
+                        r"\(Ray gives no exit status: .*\); rank 0: RuntimeError: .*Connection reset",
                         message), message
+
+
+def test_a_worker_sigkilled_on_ray_is_named_by_rank_node_and_pid_without_rays_socket_words(tmp_path):
+    """Ray's raylet lets the kernel reap its workers (SIGCHLD ignored), so Ray reports a SIGKILLed
+    worker as a closed connection ("connection error code 2. End of file"), with no exit status;
+    the line says what is known: the rank, its node and pid, and that it died without an exception."""
+    marker = tmp_path / "fault"
+    marker.touch()
+    with pytest.raises(TrainingFailed) as failed:
+        run(faulty(marker, at=3, fault="kill"), tmp_path / "run", local=False)
+    assert not marker.exists()  # rank 1 SIGKILLed itself
+    message = str(failed.value)
+    died = re.fullmatch(r"rank 1 on node ([\d.]+) \(pid (\d+)\): worker process died without an exception \(Ray gives "
+                        r"no exit status: a signal such as SIGKILL, from kill -9 or the OOM killer, or a crash\)"
+                        r"(; rank 0: .*)?", message)
+    assert died, message
+    assert not psutil.pid_exists(int(died[2]))  # the process named is gone
+    assert "End of file" not in message
 
 
 # Detecting a failed worker (Ray Train polls every 0.5 s), stopping the worker group and two

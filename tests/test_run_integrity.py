@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -87,9 +89,26 @@ def test_epochs_a_killed_driver_did_not_record_come_back_from_the_checkpoint_on_
     again = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert again[:3] == rows and json.loads(again[3])["epoch"] == 4
     assert [row["epoch"] for row in resumed.metrics] == [1, 2, 3, 4]
-    # Fewer epochs than it has done: one line, not a run that ends at once, "4 of 2 epochs".
-    with pytest.raises(UserError, match=r"is at epoch 4, past train.epochs 2: set train.epochs above 4 to train on$"):
+    # As many epochs as it has done, or fewer: one line before anything starts, not a run that ends
+    # at once with exit 0, "4 of 4 epochs" (or "4 of 2").
+    latest = rundir.kept(str(run_dir))[-1].name
+    before = files_of(run_dir)
+    proc = command(["train", DIGITS, "--run-dir", str(run_dir), "--resume", "--local",
+                    *sum((["--set", s] for s in [*sets, "train.epochs=4"]), [])], tmp_path)
+    assert proc.returncode == 2 and proc.seconds < 15, proc
+    assert proc.stderr == (f"error: --resume: the run has trained 4 epochs ({latest}) and train.epochs is 4: nothing "
+                           "left to train; --set train.epochs=N with N above 4 trains on\n"), proc.stderr
+    assert files_of(run_dir) == before
+    # Epochs trained past its latest checkpoint (a run stopped between checkpoints) are named too.
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**json.loads(again[3]), "epoch": 5}) + "\n")
+    with pytest.raises(UserError) as fewer:
         make_plan(load_config(DIGITS, [*sets, "train.epochs=2"]), run_dir=str(run_dir), resume=True)
+    assert str(fewer.value) == (f"--resume: the run has trained 5 epochs ({latest}, its latest checkpoint at epoch 4) "
+                                "and train.epochs is 2: nothing left to train; --set train.epochs=N with N above 4 "
+                                "trains on")
+    # A job that may run again (--resume-if-any) and finds its run finished ends at once, its work done.
+    make_plan(load_config(DIGITS, [*sets, "train.epochs=4"]), run_dir=str(run_dir), resume="if_any").lease.release()
 
 
 def test_a_stale_lease_is_taken_over_and_a_requeued_job_takes_its_own(tmp_path, monkeypatch):
@@ -219,6 +238,28 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_leaves_nothing_partial_and_resu
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+@pytest.mark.slow
+def test_the_compile_caches_archive_gives_way_to_a_checkpoint_on_a_full_disk(small_disk, tmp_path, monkeypatch):
+    """1.25 MB: room for two checkpoints of the digits LeNet (0.53 MB each on a tmpfs, the second
+    written before the first is pruned), not for both and the compile cache's archive (0.3 MB)
+    beside them. The second checkpoint removes the archive and is written; the run finishes."""
+    subprocess.run(["mount", "-o", "remount,size=1280k", str(small_disk)], check=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, this test's own
+    run_dir = small_disk / "run"
+    sets = ["train.epochs=2", "checkpoint.every_epochs=1", "checkpoint.keep=1", "scaling.workers=1",
+            "train.compile=default", "train.limit_batches=10", "train.limit_eval_batches=2",
+            "tracking.tensorboard=false", "tracking.report_png=false"]
+    said = []
+    result = raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=sets, **{**QUIET, "echo": said.append})
+    assert [row["epoch"] for row in result.metrics] == [1, 2]
+    assert [c.epoch for c in rundir.kept(str(run_dir))] == [2]
+    archive = run_dir / "compile_cache.bin"
+    assert not archive.exists()
+    assert [line for line in said if re.fullmatch(
+        rf"warning: compile cache {archive} removed, the next checkpoint needs its space \([\d.]+ MB free, a "
+        r"checkpoint takes [\d.]+ MB\): a restart compiles again", line)], said
+
+
 def test_an_index_that_names_a_pruned_checkpoint_is_mended_and_the_run_resumes_on_ray(ray_cluster, tmp_path):
     """On Ray because Ray Train's controller is what refuses such an index. A controller stopped
     (a job's `stop`, a preemption) after it deleted a checkpoint past `checkpoint.keep` and before
@@ -255,15 +296,23 @@ def test_a_model_that_does_not_fit_the_checkpoint_is_named_not_called_damage(tmp
                                        "model has [32, 64] (the data's inputs or classes changed?)")
     assert files_of(run_dir) == before
     # Args that change no weight's shape resume, and say so.
-    fits = make_plan(load_config(DIGITS, [*sets[:2], f"model.args={{marker: {tmp_path / 'b'}, at: 100000}}"]),
+    fits = make_plan(load_config(DIGITS, [model, "train.epochs=2",  # one more epoch: else nothing to train
+                                          f"model.args={{marker: {tmp_path / 'b'}, at: 100000}}"]),
                      run_dir=str(run_dir), resume=True)
     fits.lease.release()
     assert fits.warnings == (f"--resume: {name} has model.args.marker {str(tmp_path / 'a')!r}, the config says "
                              f"{str(tmp_path / 'b')!r}: the weights fit, so the run resumes with the config's",)
 
 
+def cosine(step: int, warmup: int, total: int) -> float:
+    """The documented curve's factor at `step`: linear warmup, then cosine to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+
 @pytest.mark.parametrize("how", ["continue", "restart"])
-def test_extending_a_run_bends_the_lr_schedule_as_on_extend_says(how):
+def test_extending_a_run_moves_the_lr_schedules_end_as_on_extend_says(how):
     """3 epochs of 10 steps planned, resumed at step 20 with 5: the LR curve after the resume."""
     config = ScheduleConfig(warmup_epochs=1, on_extend=how)
     param = [torch.nn.Parameter(torch.zeros(1))]
@@ -272,13 +321,12 @@ def test_extending_a_run_bends_the_lr_schedule_as_on_extend_says(how):
     for _ in range(20):
         optimizer.step()
         schedule.step()
-    at_20 = optimizer.param_groups[0]["lr"]
     saved = schedule.state_dict()
 
     optimizer = torch.optim.SGD(param, lr=0.1)
     schedule = build_schedule(optimizer, config, 10, 5)
     schedule.load_state_dict(saved)  # as a checkpoint restores it: the curve it was on
-    said = extend_schedule(optimizer, schedule, 10, 5, how)
+    said = extend_schedule(optimizer, schedule, 20, 10, 5, how)
     assert said.startswith("the learning rate schedule's last step moves from 30 to 50") and how in said
     curve = [optimizer.param_groups[0]["lr"]]
     for _ in range(30):
@@ -286,10 +334,28 @@ def test_extending_a_run_bends_the_lr_schedule_as_on_extend_says(how):
         schedule.step()
         curve.append(optimizer.param_groups[0]["lr"])
     assert curve[-1] == pytest.approx(0.0, abs=1e-12)  # the new end
-    if how == "continue":  # no jump: from the LR it had, down a cosine over the 30 steps left
-        assert curve[0] == pytest.approx(at_20)
-        assert curve[15] == pytest.approx(at_20 * 0.5)
+    if how == "continue":  # the curve planned over 50 steps, from step 20 on, as if planned so from the start
+        assert curve == pytest.approx([0.1 * cosine(20 + k, 10, 50) for k in range(31)])
         assert all(a >= b for a, b in zip(curve, curve[1:]))
     else:  # warmup again (10 steps), then a cosine over the 20 after it
         assert curve[:3] == pytest.approx([0.01, 0.02, 0.03]) and curve[9] == pytest.approx(0.1)
         assert curve[20] == pytest.approx(0.05)
+
+
+def test_a_finished_cosine_extended_by_resume_trains_on_at_the_lr_the_new_total_gives(tmp_path):
+    """Trained to its end, the cosine is at 0: a resume with more epochs picks the curve planned
+    over the new total up at the step the run is at (it trained on at lr 0 before)."""
+    run_dir = tmp_path / "run"
+    sets = ["scaling.workers=1", "schedule.warmup_epochs=1", "tracking.report_png=false"]
+    done = raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=[*sets, "train.epochs=2"], **QUIET)
+    assert done.metrics[-1]["lr"] == 0.0  # the cosine's end
+    said = []
+    resumed = raytrain_app.fit(DIGITS, run_dir=str(run_dir), overrides=[*sets, "train.epochs=4"], resume=True,
+                               **{**QUIET, "echo": said.append})
+    steps = done.metrics[0]["step"]  # per epoch
+    lr = load_config(DIGITS).optimizer.lr  # one worker: linear scaling leaves it as it is
+    third, fourth = resumed.metrics[2:]
+    assert third["lr"] > 0 and third["lr"] == pytest.approx(lr * cosine(3 * steps, steps, 4 * steps))  # 1/4 of lr
+    assert fourth["lr"] == 0.0  # the new end
+    assert (f"the learning rate schedule's last step moves from {2 * steps} to {4 * steps}: it follows the curve "
+            "planned over the new total from the step it is at (schedule.on_extend: continue)") in said, said

@@ -21,6 +21,7 @@ from raytrain_app.driver import sweep as sweeps
 from raytrain_app.driver import sweep_plan
 from tests.commands import command
 from tests.conftest import REPO, sweep_table
+from tests.helpers import write_parquet
 
 # One trial at a time, in an order Tune does not fix. ASHA judges epochs 1 and 2 of 3 against the
 # median of the trials before. These rates' scores (lr 0.2: second best at epoch 1, worst at epoch
@@ -60,6 +61,12 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
     assert stopped and len(set(order)) <= 3, said  # a trial is left to interrupt
     runs = [name for name, _ in itertools.groupby(order)]
     assert len(runs) == len(set(runs)), said  # --max-concurrent 1: one trial after another
+    # Tune ends the stopped trial's actor, which gives back nothing: the sweep gives back its lease
+    # once its process is gone, while the sweep goes on (its directory is free for `evaluate`).
+    deadline = time.monotonic() + 10
+    while (sweep_dir / stopped / "lease.json").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(said)
+        time.sleep(0.2)
     # Tune has ended the stopped trial once the next one holds its run directory's lease: Ctrl-C
     # while that one starts (its first epoch is seconds away, and ASHA could cut it there).
     deadline = time.monotonic() + 60
@@ -86,8 +93,8 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
     # Sent to a cluster, whose job runs in its own working_dir, a relative SWEEP_DIR goes absolute.
     plan = command(["sweep", "--resume", "sweep", "--cluster", os.path.join(REPO, "cluster", "local-2node.yaml"),
                     "--dry-run"], tmp_path)
-    assert re.search(rf"^entrypoint +python -m raytrain_app.cli sweep --resume {sweep_dir} ", plan.stdout, re.M), \
-        plan.stdout + plan.stderr
+    entry = rf"^entrypoint +python -m raytrain_app.cli.job_entry sweep --resume {sweep_dir} "
+    assert re.search(entry, plan.stdout, re.M), plan.stdout + plan.stderr
     rows = sweep_table(resumed)
     assert sorted(rows) == ["trial-00000", "trial-00001", "trial-00002", "trial-00003"]
     statuses = {name: row[-1] for name, row in rows.items()}
@@ -113,6 +120,88 @@ def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_pa
     best = yaml.safe_load(open(sweep_dir / "best.yaml"))
     assert best["optimizer"]["lr"] == float(rows[best_name][0]) and best["checkpoint"]["metric"] == "eval_accuracy"
     assert best["optimizer"]["lr"] in (0.05, 0.03, 0.02)
+
+
+def leases(sweep_dir) -> list[str]:
+    return sorted(str(path.relative_to(sweep_dir)) for path in sweep_dir.glob("**/lease.json"))
+
+
+def test_sigterm_stops_a_sweep_as_ctrl_c_does_and_its_trials_give_back_their_leases(tmp_path):
+    """A scheduler's stop, SIGTERM to the sweep's driver (`kill`, a pod's end), ends it as Ctrl-C
+    does: Tune's stop, Ctrl-C's line and exit code, no process left. Its trial, two workers
+    under Ray Train, whose actor Tune kills at the sweep's end, leaves its run directory free:
+    `--resume` and `evaluate` are not told it is in use."""
+    sweep_dir = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "sweep", "examples/digits.yaml", "--param",
+                             "optimizer.lr=grid:0.05", "--samples", "1", "--workers", "2", "--scheduler", "fifo",
+                             "--set", "train.epochs=30", *QUIET, "--sweep-dir", str(sweep_dir)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if re.match(r"trial-\d+ epoch 1:", line):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    console = "".join(said) + out + err
+    assert proc.returncode == 130, console
+    assert err.strip().splitlines()[-1] == f"interrupted: `raytrain-app sweep --resume {sweep_dir}` continues"
+    assert "Traceback" not in console and "SIGTERM received" not in console and "*** " not in console, console
+    assert [row[-1] for row in sweep_table(out).values()] == ["interrupted"], out
+    deadline = time.monotonic() + 15
+    while session_processes(proc.pid):
+        assert time.monotonic() < deadline, [p.name() for p in session_processes(proc.pid)]
+        time.sleep(0.5)
+    assert leases(sweep_dir) == []
+
+    # A resumed one whose stop cannot end: its embedded cluster's GCS hangs (SIGSTOP), as when a
+    # scheduler's SIGTERM took it down with the driver (Ray's driver would wait a minute on it
+    # and abort: exit 134, a crash dump). The driver gives up after STOP_S, with the same line.
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "sweep", "--resume", str(sweep_dir)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if re.match(r"trial-\d+ epoch \d+:", line):
+            break
+    [gcs] = [p for p in psutil.Process(proc.pid).children() if p.name() == "gcs_server"]
+    gcs.suspend()
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(said) + out + err
+    assert err == f"interrupted: `raytrain-app sweep --resume {sweep_dir}` continues\n", err
+    assert sweeps.STOP_S <= time.monotonic() - signalled < sweeps.STOP_S + 15
+    deadline = time.monotonic() + 15
+    while session_processes(proc.pid):  # the hung GCS too
+        assert time.monotonic() < deadline, [p.name() for p in session_processes(proc.pid)]
+        time.sleep(0.5)
+    assert leases(sweep_dir) == []
+
+
+def test_a_sweeps_relative_data_paths_mean_the_launch_directory_in_every_trial(tmp_path):
+    """A job file naming its Parquet files relative to where the sweep is launched, as `train`
+    reads them: a one-worker trial (local mode, in Tune's actor) and a two-worker one (Ray Train)
+    read them there, not in Tune's trial folder."""
+    (tmp_path / "data").mkdir()
+    write_parquet(tmp_path / "data" / "train.parquet", n=400, seed=1)
+    write_parquet(tmp_path / "data" / "eval.parquet", n=50, seed=2)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({
+        "name": "relative", "model": {"name": "mlp", "args": {"hidden": [16]}},
+        "data": {"name": "parquet", "args": {"path": "data/train.parquet", "eval_path": "data/eval.parquet"}},
+        "train": {"epochs": 1, "batch_size": 16}, "tracking": {"tensorboard": False, "report_png": False}}))
+    proc = command(["sweep", "job.yaml", "--param", "scaling.workers=grid:1,2", "--samples", "1", "--max-concurrent",
+                    "1", "--scheduler", "fifo", "--sweep-dir", "sweep"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = sweep_table(proc.stdout)
+    assert sorted(row[0] for row in rows.values()) == ["1", "2"] and {row[-1] for row in rows.values()} == {
+        "finished"}, proc.stdout
+    for name in rows:
+        args = yaml.safe_load(open(tmp_path / "sweep" / name / "config.yaml"))["data"]["args"]
+        assert (args["path"], args["eval_path"]) == (str(tmp_path / "data" / "train.parquet"),
+                                                     str(tmp_path / "data" / "eval.parquet"))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -51,7 +51,7 @@ class ModelConfig(BuilderSection):
 
 
 class DataConfig(BuilderSection):
-    name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | synthetic | '
+    name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | csv | synthetic | '
                                                 'text | "pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder (see Datasets)")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share for datasets without a test split")
@@ -173,9 +173,10 @@ class ScheduleConfig(Section):
                                                                              "allowed), at most train.epochs")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decays to lr x min_lr_ratio")
     on_extend: Literal["continue", "restart"] = Field("continue", description="when a resumed run plans more (or "
-                                                                              "fewer) steps: continue decays from "
-                                                                              "the LR it had to the new end; restart "
-                                                                              "runs warmup and decay again")
+                                                                              "fewer) steps: continue follows the "
+                                                                              "curve planned over the new total from "
+                                                                              "the step the run is at; restart runs "
+                                                                              "warmup and decay again")
 
 
 class EarlyStoppingConfig(Section):

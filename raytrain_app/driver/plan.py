@@ -76,7 +76,8 @@ def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: 
     """The plan's checks, with the run directory's lease held; nothing in it changes until they pass."""
     # Ray Train writes its index after every checkpoint: something to resume, and no fresh start here.
     has_checkpoint = storage.exists(storage.join(run_dir, SNAPSHOT))
-    if resume == "if_any":
+    if_any = resume == "if_any"
+    if if_any:
         resume = has_checkpoint
     if resume and not has_checkpoint:
         raise UserError(f"--resume: no checkpoint to resume in {run_dir}")
@@ -89,7 +90,7 @@ def _checked(config: JobConfig, run_dir: str, resume: Union[bool, str], source: 
         else:
             model = check_data_and_model(config)
             if resume:
-                warnings += check_resumable(config, run_dir, model)
+                warnings += check_resumable(config, run_dir, model, if_any)
     except ConfigError as e:
         raise ConfigError(*[f"{source}: {line}" for line in e.lines]) from None
     if not config.script:

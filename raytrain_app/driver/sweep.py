@@ -11,16 +11,21 @@ first epochs.
 
 The sweep's plan (`driver/sweep_plan.py`) is saved in its directory, so `--resume DIR` needs
 nothing else. Tune restarts unfinished trials, and each continues from its run directory's
-latest checkpoint.
+latest checkpoint. A trial runs where the sweep's driver runs (its launch directory, or a job's
+working_dir), as `train`'s workers do: relative data paths mean the same files in every trial.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import psutil
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -29,11 +34,16 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from raytrain_app import rundir, storage
 from raytrain_app.console import columns
 from raytrain_app.driver.plan import make_plan
+from raytrain_app.driver.signals import term_as_interrupt
 from raytrain_app.driver.sweep_plan import Sweep, trains_in_trial, trial_resources, trials_that_fit
 from raytrain_app.errors import TrainingFailed, last_line
-from raytrain_app.rundir.lease import Lease
+from raytrain_app.rundir.lease import Lease, give_back_abandoned
 
 BEST_FILE = "best.yaml"
+STOP_S = 20.0  # after a SIGTERM, the sweep's own stop; within SLURM's 30 s before its SIGKILL
+FREE_S = 5.0  # how long the sweep's end waits for the processes of the trials Tune killed to end
+
+
 @dataclass
 class Trial:
     name: str  # its run directory's name under the sweep's
@@ -47,22 +57,23 @@ class Trial:
 def launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], verbose: bool,
            echo: Callable[[str], None], min_nodes: int = 1, node_timeout_s: float = 0) -> tuple[list[Trial], bool]:
     """Run (or resume) the sweep on a cluster chosen as `train` chooses one; returns the trials,
-    best first, and whether the sweep was interrupted (Ctrl-C: Tune saves its state and stops
-    every trial; `--resume` continues). An embedded cluster gets room for as many trials as this
-    machine's CPUs (or GPUs) hold; a joined one `node_timeout_s` to reach
+    best first, and whether the sweep was interrupted (Ctrl-C, or a scheduler's SIGTERM: Tune
+    saves its state and stops every trial; `--resume` continues). An embedded cluster gets room
+    for as many trials as this machine's CPUs (or GPUs) hold; a joined one `node_timeout_s` to reach
     `min_nodes` (a SLURM allocation's nodes join while the sweep's job starts). The sweep directory's
     lease is held throughout, as `train` holds a run's."""
     if not verbose:  # Tune's own tables off: the console gets one line per trial epoch instead
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     held = Lease.acquire(sweep_dir, "sweep", lambda line: echo(f"warning: {line}"))
     try:
-        return _launch(sweep, sweep_dir, resume, address, verbose, echo, min_nodes, node_timeout_s)
+        return _launch(sweep, sweep_dir, resume, address, verbose, echo, min_nodes, node_timeout_s, held)
     finally:
         held.release()
 
 
 def _launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], verbose: bool,
-            echo: Callable[[str], None], min_nodes: int, node_timeout_s: float) -> tuple[list[Trial], bool]:
+            echo: Callable[[str], None], min_nodes: int, node_timeout_s: float,
+            held: Lease) -> tuple[list[Trial], bool]:
     from raytrain_app.cluster.capacity import check_workers_fit, connected_nodes, spare_cpus
     from raytrain_app.cluster.session import cluster_for
 
@@ -74,7 +85,8 @@ def _launch(sweep: Sweep, sweep_dir: str, resume: bool, address: Optional[str], 
     trial_cpus = s.workers * s.cpus_per_worker + spare_cpus(config)
     room = here * trial_cpus - s.workers * s.cpus_per_worker  # beyond one trial's workers, which cluster_for counts
     log_dir = os.path.join(sweep_dir, "logs") if storage.is_local(sweep_dir) else None
-    with cluster_for(s, address, log_dir, verbose, echo, room, min_nodes, node_timeout_s, dashboard=True):
+    with cluster_for(s, address, log_dir, verbose, echo, room, min_nodes, node_timeout_s, dashboard=True), \
+            term_as_interrupt(STOP_S, functools.partial(_give_up, sweep_dir, held)):  # once Ray set its own
         nodes = connected_nodes()
         check_workers_fit(nodes, config)  # one trial fits, or one line now
         alive = [n for n in nodes if n.alive]
@@ -92,11 +104,14 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
               gpus: float, verbose: bool = False) -> tuple[list[Trial], bool]:
     """Run (or resume) the sweep on the cluster this process is connected to, which has `cpus` and
     `gpus`."""
-    trainable = tune.with_resources(tune.with_parameters(_trial, sweep=sweep, sweep_dir=sweep_dir),
+    # Trials stay where Ray starts them (`_trial` moves them here), not in Tune's trial folders.
+    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
+    trainable = tune.with_resources(tune.with_parameters(_trial, sweep=sweep, sweep_dir=sweep_dir,
+                                                         launched_in=os.getcwd()),
                                     lambda settings: trial_resources(sweep.trial_config(settings)))
     parent, name = os.path.dirname(sweep_dir.rstrip("/")), os.path.basename(sweep_dir.rstrip("/"))
     run_config = tune.RunConfig(storage_path=parent, name=name, verbose=1 if verbose else 0,
-                                callbacks=[_Progress(sweep, echo)])
+                                callbacks=[_Progress(sweep, echo), _GiveBack(sweep_dir)])
     if resume and tune.Tuner.can_restore(sweep_dir):  # else it was stopped before Tune began: begin
         tuner = tune.Tuner.restore(sweep_dir, trainable=trainable, resume_errored=True)
     else:
@@ -118,6 +133,7 @@ def run_sweep(sweep: Sweep, sweep_dir: str, resume: bool, echo: Callable[[str], 
     results = tuner.fit()
     errors = {os.path.basename(r.path.rstrip("/")): last_line(r.error) for r in results if r.error}
     analysis = tune.ExperimentAnalysis(sweep_dir)  # results.experiment_path drops a URI's scheme
+    _give_back_leases([storage.join(sweep_dir, _trial_name(t)) for t in analysis.trials])
     # Interrupted trials stay RUNNING or PENDING in the saved state, which a resume picks up.
     interrupted = any(t.status in ("RUNNING", "PENDING", "PAUSED") for t in analysis.trials)
     trials = [_summary(sweep, sweep_dir, t, interrupted, errors) for t in analysis.trials]
@@ -171,22 +187,62 @@ def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _trial(settings: dict, sweep: Sweep, sweep_dir: str) -> None:
-    """One trial, inside Tune: the job with these settings, trained as `train` trains it."""
-    from raytrain_app.driver.trainer import run_training
+def _trial(settings: dict, sweep: Sweep, sweep_dir: str, launched_in: str) -> None:
+    """One trial, inside Tune: the job with these settings, trained as `train` trains it, in the
+    directory the sweep was launched from (where its job's relative paths point), unless the
+    trial runs in a copy of a job's working_dir already."""
+    from raytrain_app.driver.trainer import run_training, shipped_working_dir
 
+    if not shipped_working_dir() and os.path.isdir(launched_in):
+        os.chdir(launched_in)
     run_dir = storage.join(sweep_dir, os.path.basename(tune.get_context().get_trial_dir()))
     config = sweep.trial_config(settings)
     run_training(make_plan(config, run_dir=run_dir, resume="if_any", sweep_trial=True, local=trains_in_trial(config)),
                  callbacks=[_EpochReports(config.train.epochs)])
 
 
+def _give_back_leases(run_dirs: list[str]) -> None:
+    """The leases of the trials Tune killed at the sweep's end (those still running: an
+    interrupted sweep's), once their processes are gone, waiting up to `FREE_S` for them; a trial
+    that runs its `finally` gives back its own."""
+    deadline = time.monotonic() + FREE_S
+    while True:
+        run_dirs = [run_dir for run_dir in run_dirs if not give_back_abandoned(run_dir)]
+        if not run_dirs or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
+
+
+def how_to_continue(sweep_dir: str) -> str:
+    return f"`raytrain-app sweep --resume {sweep_dir}` continues"
+
+
+def _give_up(sweep_dir: str, held: Lease) -> None:
+    """A SIGTERM's stop that did not end (its cluster went down with it): the line Ctrl-C ends
+    with, the processes this one started (an embedded cluster's) stopped, the leases of the sweep
+    and of its trials given back, and exit code 130. The sweep's state is as Tune saved it last,
+    which `--resume` continues."""
+    from raytrain_app.cluster.localnodes import stop_processes
+
+    print(f"interrupted: {how_to_continue(sweep_dir)}", file=sys.stderr, flush=True)
+    stop_processes([child.pid for child in psutil.Process().children()])
+    _give_back_leases([storage.join(sweep_dir, name) for name in storage.subdirectories(sweep_dir)
+                       if name.startswith("trial-")])
+    held.release()
+    os._exit(130)
+
+
 def _trial_dirname(trial) -> str:
     return "trial-" + trial.trial_id.rsplit("_", 1)[-1]
 
 
+def _trial_name(trial) -> str:
+    """Its run directory's name under the sweep's."""
+    return os.path.basename(trial.path.rstrip("/")) if trial.path else _trial_dirname(trial)
+
+
 def _summary(sweep: Sweep, sweep_dir: str, trial, interrupted: bool, errors: dict[str, str]) -> Trial:
-    name = os.path.basename(trial.path.rstrip("/")) if trial.path else _trial_dirname(trial)
+    name = _trial_name(trial)
     run_dir = storage.join(sweep_dir, name)
     rows = rundir.read_metrics(run_dir)
     best = rundir.best_row(rows, sweep.metric, sweep.mode)
@@ -223,6 +279,28 @@ class _Progress(tune.Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self.echo(f"{_trial_dirname(trial)} failed: its log is in {trial.path}")
+
+
+class _GiveBack(tune.Callback):
+    """The lease of each trial Tune ended, given back once the trial's process is gone. Tune ends a
+    trial it stops (ASHA's cut) by ending its actor, which skips the trial's own release: its run
+    directory would stay "in use" to `evaluate` and `--resume` (on this host until a command
+    took the lease over; elsewhere for a minute). A trial that ends by itself gives back its own."""
+
+    def __init__(self, sweep_dir: str):
+        self.sweep_dir = sweep_dir
+        self.ended: set[str] = set()  # run directories whose lease may still be held
+        self.looked = 0.0
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self.ended.add(storage.join(self.sweep_dir, _trial_name(trial)))
+
+    on_trial_error = on_trial_complete
+
+    def on_step_end(self, iteration, trials, **info):
+        if self.ended and time.monotonic() - self.looked >= 1:  # a read of each lease, at most once a second
+            self.looked = time.monotonic()
+            self.ended = {run_dir for run_dir in self.ended if not give_back_abandoned(run_dir)}
 
 
 class _EpochReports(TuneReportCallback):

@@ -407,20 +407,21 @@ class RestartNotices(UserCallback):
         died = [r for r, e in worker_exceptions.items() if process_died(e)]
         rank = min(died or worker_exceptions)
         what = describe_rank(rank, worker_exceptions[rank])
-        if any(_preempted_by_ray(e) for e in worker_exceptions.values()):  # Ray Train's own count
-            self.events.put(("notice", f"{what}; its node was preempted: restarting from {self.latest or 'the start'}"))
-            return
-        kind = "preemption" if self._drained(died) else "restart"
-        self.answered = None  # the next group's notices are its own
-        self.spent[kind] += 1
-        budget = self.budgets[kind]
-        if budget != -1 and self.spent[kind] > budget:
-            raise RestartsSpent(worker_exceptions)
+        then = f"restarting from {self.latest or 'the start'}"
+        if any(_preempted_by_ray(e) for e in worker_exceptions.values()):  # Ray Train counts it itself
+            kind, said = "preemption", f"its node was preempted: {then}"
+        else:
+            kind = "preemption" if self._drained(died) else "restart"
+            self.answered = None  # the next group's notices are its own
+            self.spent[kind] += 1
+            budget = self.budgets[kind]
+            if budget != -1 and self.spent[kind] > budget:
+                raise RestartsSpent(worker_exceptions)
+            drained = "its node was being drained (a preemption); " if kind == "preemption" else ""
+            said = f"{drained}{then} ({kind} {self.spent[kind]} of {'unlimited' if budget == -1 else budget})"
         if self.restarts is not None:
             self.restarts.add.remote()
-        drained = "; its node was being drained (a preemption)" if kind == "preemption" else ""
-        self.events.put(("notice", f"{what}{drained}; restarting from {self.latest or 'the start'} ({kind} "
-                                   f"{self.spent[kind]} of {'unlimited' if budget == -1 else budget})"))
+        self.events.put(("notice", f"{what}; {said}"))
         rundir.record_restart(self.run_dir, kind, what)
 
     def _drained(self, died: list[int]) -> bool:

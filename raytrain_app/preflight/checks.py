@@ -65,11 +65,13 @@ def check_data_and_model(config: JobConfig):
     return model
 
 
-def check_resumable(config: JobConfig, run_dir: str, model) -> list[str]:
-    """The run's latest checkpoint fits the model and strategy the config asks for, or one line
-    naming the difference: found here, a mismatch changes nothing and is never called damage.
+def check_resumable(config: JobConfig, run_dir: str, model, if_any: bool = False) -> list[str]:
+    """The run's latest checkpoint fits the model and strategy the config asks for, and leaves
+    epochs to train, or one line naming the difference: found here, a mismatch changes nothing and
+    is never called damage. `if_any` (`--resume-if-any`, a sweep's trial) lets a run that has
+    trained all its epochs end at once: a requeued job whose run finished has nothing left to do.
     Returns warnings: model args that changed without changing any weight's shape (a dropout)."""
-    from raytrain_app.rundir import kept
+    from raytrain_app.rundir import kept, read_metrics
     from raytrain_app.rundir.checkpoints import parameter_shapes
 
     checkpoints = kept(run_dir)
@@ -86,9 +88,6 @@ def check_resumable(config: JobConfig, run_dir: str, model) -> list[str]:
     was = saved["config"]
     then, now = was["model"], config.to_dict()["model"]
     where = f"--resume: {latest.name}"
-    if latest.epoch > config.train.epochs:  # it would end at once, "23 of 12 epochs", having trained nothing
-        raise UserError(f"{where} is at epoch {latest.epoch}, past train.epochs {config.train.epochs}: set "
-                        f"train.epochs above {latest.epoch} to train on")
     if then["name"] != now["name"]:
         raise UserError(f"{where} has model {then['name']}, the config says {now['name']}: resume with the model it "
                         "was trained with, or start a new run")
@@ -101,6 +100,12 @@ def check_resumable(config: JobConfig, run_dir: str, model) -> list[str]:
                 raise UserError(f"{where} has {changed[0]}")
             raise UserError(f"{where} has parameter {name} shaped {shapes.get(name)}, the config's model has "
                             f"{built.get(name)} (the data's inputs or classes changed?)")
+    asked = config.train.epochs
+    if latest.epoch > asked or latest.epoch == asked and not if_any:  # it would end at once, "14 of 12 epochs"
+        trained = max([latest.epoch, *(row["epoch"] for row in read_metrics(run_dir) if "epoch" in row)])
+        at = "" if trained == latest.epoch else f", its latest checkpoint at epoch {latest.epoch}"
+        raise UserError(f"--resume: the run has trained {trained} epochs ({latest.name}{at}) and train.epochs is "
+                        f"{asked}: nothing left to train; --set train.epochs=N with N above {latest.epoch} trains on")
     return [f"{where} has {change}: the weights fit, so the run resumes with the config's" for change in changed]
 
 

@@ -150,6 +150,24 @@ class Lease:
                 continue
 
 
+def give_back_abandoned(run_dir: str) -> bool:
+    """Take over and remove the run directory's lease where its holder ran on this host and its
+    process is gone (Ray Tune kills the actors of the trials still running at a sweep's end, and
+    a killed process gives back nothing); whether the directory is free of a lease now. A holder
+    on another host is left to its heartbeat's staleness."""
+    path = storage.join(run_dir, LEASE)
+    held, version = _read(path)
+    if held is None:
+        return not storage.exists(path)
+    if held.host != socket.gethostname() or process_alive(held.pid, held.since):
+        return False
+    now = time.time()
+    mine = Holder(uuid.uuid4().hex, held.host, os.getpid(), "sweep", scheduler_job(), now, now)
+    if _take_over(path, mine, held, version):  # one taker only, as a command's own takeover
+        _delete(path)
+    return not storage.exists(path)
+
+
 def live_holder(run_dir: str) -> Optional[Holder]:
     """Who holds the run directory's lease now, by its heartbeat (from any host), or None."""
     held, _ = _read(storage.join(run_dir, LEASE))

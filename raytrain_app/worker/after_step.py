@@ -22,7 +22,7 @@ from raytrain_app.console import startup_phases
 from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint, preemption
-from raytrain_app.worker.compile_cache import CompileCache
+from raytrain_app.worker.compile_cache import CompileCache, give_way
 from raytrain_app.worker.nonfinite import LossCheck
 from raytrain_app.worker.preemption import PreemptionCheck
 from raytrain_app.worker.rank import Worker
@@ -44,6 +44,7 @@ class AfterStep:
         self.preemption = PreemptionCheck(worker.notices, worker.stop_flag, worker.rank, worker.device,
                                           worker.report.log.info)
         self.save_at_epoch_end = False  # a notice came at the epoch's last step
+        self.answering: dict = {}  # the Ray Train notice the next checkpoint answers (preemption.answered)
         self.first = True  # this group's first step: benchmarks/preemption.py times a resize to it
         self.stop_after_epoch: Optional[dict] = None  # where a stop request came, at the epoch's last step
 
@@ -63,13 +64,15 @@ class AfterStep:
         if notice:
             self.report.warn(preemption.describe(notice, state.step, state.epoch, state.batch, last_in_epoch))
             self.save_at_epoch_end = last_in_epoch  # the epoch's own checkpoint follows at once
+            self.answering = {} if isinstance(notice, preemption.Stop) else preemption.answered(notice)
         if (notice or every and state.step % every == 0) and not last_in_epoch:
             self.loss_check.settle()  # never checkpoint weights that a non-finite loss has poisoned
             self.trackers.sync()  # the curves up to here first: a restart from this checkpoint keeps them
             # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
             c = self.job.checkpoint
             report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
-                           c.metric: checkpoint.WORST_SCORE[c.mode]}, state, self.worker, self.about)
+                           c.metric: checkpoint.WORST_SCORE[c.mode], **self.answer()}, state, self.worker,
+                          self.about)
         if notice and not last_in_epoch:  # (at an epoch's end, the epoch's own checkpoint follows)
             self.report.info("notice answered: the checkpoint at step %d is written", state.step)
         if isinstance(notice, preemption.Stop):
@@ -77,6 +80,11 @@ class AfterStep:
             if not last_in_epoch:
                 raise preemption.Stopping(where)
             self.stop_after_epoch = {**where, "epoch": state.epoch + 2, "batch": 0}  # the next epoch's start
+
+    def answer(self) -> dict:
+        """For the report of the checkpoint that answers a Ray Train notice: the notice, once."""
+        answering, self.answering = self.answering, {}
+        return answering
 
 
 def report_to_ray(metrics: dict, state: TrainState, w: Worker, about: Optional[dict]) -> None:
@@ -93,6 +101,8 @@ def report_to_ray(metrics: dict, state: TrainState, w: Worker, about: Optional[d
         except OSError as e:
             raise CheckpointNotWritten(state.step, f"this worker's staging folder {directory}",
                                        _write_error(e, directory)) from None
+        if w.rank == 0:  # the checkpoint wins the disk over the compile cache's archive
+            give_way(w.run_dir, directory, w.report.warn)
         try:
             if w.local:
                 checkpoint.commit(directory, w.run_dir, w.rank, metrics, w.job.checkpoint, w.device)

@@ -17,7 +17,11 @@ with it still spent the whole compile on the C++ code (10.1 s against 10.4 s col
 
 The archive's first member names the torch version and the device it was compiled for; a cache
 from another torch or device could never be used, so it is skipped with one line. The cache is
-an optimisation: one that cannot be read or written is a warning, never a failed run.
+an optimisation: one that cannot be read or written is a warning, never a failed run. Nor may it
+take the space a checkpoint needs (a checkpoint that fails on a full disk fails the run): on a
+local run directory, a checkpoint finding less room than it takes removes the archive first
+(`give_way`), and the archive is not written where it would leave less room than the run's
+latest checkpoint takes.
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ import json
 import logging
 import os
 import platform
+import shutil
 import tarfile
 import tempfile
-from typing import TYPE_CHECKING
+from contextlib import suppress
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from raytrain_app import storage
+from raytrain_app.rundir import snapshot
 from raytrain_app.rundir.layout import COMPILE_CACHE
 
 if TYPE_CHECKING:
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 
 KEY = "raytrain-compile-cache.json"  # the archive's first member: what it was compiled for
 SKIPPED = ("locks",)  # Inductor's lock files: this machine's, never carried
+SPARE = 1.1  # a checkpoint's room: its size and a tenth, for the index and logs written beside it
 
 
 def compiled_for(device: torch.device) -> dict:
@@ -150,7 +158,12 @@ class CompileCache:
                         tar.add(os.path.join(self.local, name), name, recursive=False)
                     except FileNotFoundError:  # a compiler's temporary file, renamed since the listing
                         files.discard(name)
-            storage.write_bytes(self.path, buffer.getvalue())
+            archive = buffer.getvalue()
+            short = _short_of_room(self.path, len(archive) - _bytes_on_disk(self.path))
+            if short:
+                self.report.warn(f"compile cache not written to {self.path}: {short}")
+                return
+            storage.write_bytes(self.path, archive)
         except Exception as e:  # noqa: BLE001 - the cache is an optimisation: the run goes on
             self.report.warn(f"compile cache not written to {self.path} ({storage.explain(e)}); the run goes on")
             return
@@ -163,3 +176,47 @@ class CompileCache:
             dirs[:] = [d for d in dirs if d not in SKIPPED]
             found.update(os.path.relpath(os.path.join(folder, n), self.local) for n in names)
         return found
+
+
+def give_way(run_dir: str, staged: str, warn: Callable[[str], None]) -> None:
+    """Before rank 0 writes the checkpoint staged in `staged`: where the run directory's disk has
+    less room than the checkpoint takes (the run's latest, or for its first what rank 0 staged),
+    the run's archive goes, with a warning. Local run directories only: a store's space is not
+    the disk's."""
+    path = storage.join(run_dir, COMPILE_CACHE)
+    if "://" in run_dir or not os.path.exists(path):
+        return
+    try:
+        short = _short_of_room(path, 0, _bytes_on_disk(staged))
+        if short:
+            os.unlink(path)
+            warn(f"compile cache {path} removed, {short}: a restart compiles again")
+    except Exception as e:  # noqa: BLE001 - never why a checkpoint fails: the write says what is wrong
+        warn(f"compile cache {path}: its room was not checked ({storage.explain(e)})")
+
+
+def _short_of_room(path: str, growth: int, checkpoint: int = 0) -> str:
+    """Why the disk of the run directory holding `path` has too little room for its next
+    checkpoint (the larger of `checkpoint` and the run's latest, and a tenth) once `growth`
+    more bytes are written; "" where it has room, or is not a local disk."""
+    run_dir = os.path.dirname(path)
+    if "://" in run_dir:
+        return ""
+    latest = snapshot.latest(run_dir)
+    needed = SPARE * max(checkpoint, _bytes_on_disk(latest) if latest else 0)
+    free = shutil.disk_usage(run_dir).free - growth
+    if free >= needed:
+        return ""
+    return (f"the next checkpoint needs its space ({free / 2**20:.1f} MB free, a checkpoint takes "
+            f"{needed / 2**20:.1f} MB)")
+
+
+def _bytes_on_disk(path: str) -> int:
+    """What a file, or a directory's files, take on disk (0 for none)."""
+    files = [path] if os.path.isfile(path) else [os.path.join(folder, name) for folder, _, names in os.walk(path)
+                                                 for name in names]
+    total = 0
+    for file in files:
+        with suppress(FileNotFoundError):  # a checkpoint being pruned meanwhile
+            total += os.stat(file).st_blocks * 512
+    return total

@@ -175,7 +175,8 @@ def _run(w: Worker) -> None:
         state.batch = state.batch // saved_layout.get("accum_steps", tc.grad_accum_steps) * batches.accum_steps
         report.say(f"resumed from {restored} at step {state.step}: epoch {state.epoch + 1} from batch {state.batch}")
         report.restored(state.rows)
-        extended = extend_schedule(optimizer, state.scheduler, steps_per_epoch, tc.epochs, job.schedule.on_extend)
+        at = state.epoch * steps_per_epoch + state.samples // (step.samples_per_batch * batches.accum_steps)
+        extended = extend_schedule(optimizer, state.scheduler, at, steps_per_epoch, tc.epochs, job.schedule.on_extend)
         if extended:
             report.say(extended)
         for warning in resume_warnings(saved_layout, layout, mid_epoch=state.batch > 0, resized=job.scaling.elastic):
@@ -209,7 +210,7 @@ def _run(w: Worker) -> None:
                     or after_step.save_at_epoch_end)
             trackers.epoch(metrics)  # (durable before the epoch's checkpoint, as before a step's)
             state.rows.append(metrics)  # (in the checkpoint, for a driver that dies before its row)
-            report_to_ray(metrics, state, w, about if save else None)
+            report_to_ray({**metrics, **after_step.answer()} if save else metrics, state, w, about if save else None)
             if after_step.save_at_epoch_end:
                 report.info("notice answered: the checkpoint at step %d is written", state.step)
                 after_step.save_at_epoch_end = False

@@ -29,9 +29,9 @@ def build_schedule(optimizer, config: ScheduleConfig, steps_per_epoch: int, epoc
 
 class Schedule:
     """The LR factor per optimizer step: linear warmup, then cosine (or constant) to the planned
-    last step. A run resumed with more (or fewer) steps planned bends it from the step it resumes
-    at (`extend`). Its attributes are plain numbers, which LambdaLR saves in its state_dict and
-    restores, so the curve a run was on comes back with its checkpoint."""
+    last step. A run resumed with more (or fewer) steps planned moves that last step (`extend`).
+    Its attributes are plain numbers, which LambdaLR saves in its state_dict and restores, so the
+    curve a run was on comes back with its checkpoint."""
 
     CONFIGURED = ("name", "min_ratio", "warmup")  # the config's, also after a restore: --set applies on resume
 
@@ -39,17 +39,14 @@ class Schedule:
         self.name, self.min_ratio = config.name, config.min_lr_ratio
         self.warmup = round(config.warmup_epochs * steps_per_epoch)
         self.total = max(1, steps_per_epoch * epochs)
-        self.since, self.start, self.restarted = 0, 1.0, False  # the last extension: where, from what factor, how
+        # The last extension: the scheduler's step it came at, the planned curve's step minus the
+        # scheduler's (they part when the steps per epoch change), and whether it restarted.
+        self.since, self.offset, self.restarted = 0, 0, False
 
     def __call__(self, step: int) -> float:
-        if self.since and step >= self.since:
-            if self.restarted:  # warmup and decay again, over the steps after `since`
-                return self._curve(step - self.since, self.total - self.since)
-            if self.name == "constant":
-                return self.start
-            progress = min(1.0, (step - self.since) / max(1, self.total - self.since))
-            return self.min_ratio + (self.start - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return self._curve(step, self.total)
+        if self.restarted and step >= self.since:  # warmup and decay again, over the steps left after `since`
+            return self._curve(step - self.since, self.total - self.since - self.offset)
+        return self._curve(step + self.offset, self.total)
 
     def _curve(self, step: int, total: int) -> float:
         if step < self.warmup:
@@ -59,14 +56,16 @@ class Schedule:
         progress = min(1.0, (step - self.warmup) / max(1, total - self.warmup))
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def extend(self, step: int, total: int, how: str) -> str:
-        """Plan `total` steps from `step` on: `continue` decays from the factor at `step` to the end
-        (the LR stays continuous), `restart` runs warmup and decay again over the steps left.
-        Returns what was done, for the console."""
-        was, factor = self.total, self(step)
-        self.since, self.start, self.total, self.restarted = step, factor, max(total, step + 1), how == "restart"
+    def extend(self, step: int, at: int, total: int, how: str) -> str:
+        """Plan `total` steps, the run being at step `at` of them (the scheduler at `step`):
+        `continue` follows the curve planned over the new total from `at` on, as if the run had
+        planned it from the start (a finished cosine, at its floor, goes on from where the new
+        total puts it); `restart` runs warmup and decay again over the steps left. Returns what
+        was done, for the console."""
+        was = self.total
+        self.since, self.offset, self.total, self.restarted = step, at - step, max(total, at + 1), how == "restart"
         what = ("restarts: warmup and decay again over the steps left" if self.restarted else
-                "goes on from where it was, down to the new end")
+                "follows the curve planned over the new total from the step it is at")
         return f"the learning rate schedule's last step moves from {was} to {self.total}: it {what}"
 
 
@@ -90,11 +89,12 @@ def configured_hyperparameters(optimizer: torch.optim.Optimizer, scheduler):
         set_lr(optimizer, scheduler)
 
 
-def extend_schedule(optimizer, scheduler, steps_per_epoch: int, epochs: int, how: str) -> Optional[str]:
-    """After a resume: when the config plans another number of steps than the restored schedule
-    (more epochs, another world size), bend it as `schedule.on_extend` says; what was done, or None."""
+def extend_schedule(optimizer, scheduler, at: int, steps_per_epoch: int, epochs: int, how: str) -> Optional[str]:
+    """After a resume at step `at` of this plan (its steps per epoch): when the config plans another
+    number of steps than the restored schedule (more epochs, another world size), move its end as
+    `schedule.on_extend` says; what was done, or None."""
     planned = max(1, steps_per_epoch * epochs)
-    lines = {schedule.extend(scheduler.last_epoch, planned, how) for schedule in scheduler.lr_lambdas
+    lines = {schedule.extend(scheduler.last_epoch, at, planned, how) for schedule in scheduler.lr_lambdas
              if isinstance(schedule, Schedule) and schedule.total != planned}
     set_lr(optimizer, scheduler)
     return f"{lines.pop()} (schedule.on_extend: {how})" if lines else None

@@ -33,6 +33,9 @@ import torch
 from raytrain_app.distributed import global_max
 
 BUDGET = 0.01  # of the step time
+# The report key under which the checkpoint answering a Ray Train notice names the notice's ranks
+# and deadline, for the controller's restart accounting (driver/trainer.py, RestartNotices).
+ANSWERED = "preemption_notice"
 MEASURED = 8  # steps that ask at every step, timing it
 LONGEST = 1000  # steps between asks, at most
 
@@ -168,3 +171,8 @@ def describe(notice, step: int, epoch: int, batch: int, epoch_end: bool) -> str:
     return (f"preemption notice: node {nodes} ({'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))}) "
             f"goes away{left}; "
             f"a checkpoint at {where}, which the restart continues from")
+
+
+def answered(notice) -> dict:
+    """What a report says of the Ray Train notice its checkpoint answers (see ANSWERED)."""
+    return {ANSWERED: {"ranks": sorted(notice.preempted_ranks), "deadline_ms": notice.deadline_ms}}
