@@ -307,7 +307,7 @@ def test_the_rayjob_brings_raytrain_app_from_the_profiles_storage(tmp_path):
     assert "a-token-that-must-stay-here" not in proc.stdout and "raytrain-app]" not in proc.stdout
     manifest = yaml.safe_load(proc.stdout)
     spec = manifest["spec"]
-    assert spec["entrypoint"].startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.launch.job_entry ")
+    assert spec["entrypoint"].startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.cli.job_entry ")
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
     [uri] = runtime_env["py_modules"]
     assert re.fullmatch(r"s3://rta-bucket/raytrain/runs/_packages/raytrain-app-0\.1\.0-[0-9a-f]{16}\.zip", uri), uri

@@ -131,9 +131,12 @@ def test_two_jobs_share_a_node_and_status_logs_stop_and_list_show_slurms_view(sl
         time.sleep(1)
     assert not ray_processes_of(short_id)
     assert not os.path.exists(f"/tmp/rt-{short_id}") and not os.path.exists(f"/tmp/rt-{long_id}")  # temp dirs gone
-    # scancel's SIGTERM reached the job's driver too: its output has no stack dump from Ray's handler.
-    stopped = cli(slurm, "logs", long_id, "--cluster", profile).stdout
-    assert "SIGTERM received" not in stopped, stopped
+    # scancel's SIGTERM reached the job's driver too: its output, whole up to SLURM's line on the
+    # cancel, has no stack dump from Ray's handler.
+    stopped = cli(slurm, "logs", long_id, "--cluster", profile)
+    assert stopped.returncode == 0 and stopped.stdout.startswith(logs), stopped
+    assert re.search(rf"^\S+: error: \*\*\* JOB {long_id} ON \S+ CANCELLED AT ", stopped.stdout, re.M), stopped.stdout
+    assert "SIGTERM received" not in stopped.stdout, stopped.stdout
 
 
 def test_a_partition_slurm_does_not_know_is_one_line_before_submitting(slurm, profile, tmp_path):
@@ -213,7 +216,7 @@ def test_the_rendered_script_for_two_gpu_nodes_asks_slurm_for_them_and_starts_ra
     config = yaml.safe_load(script.split("<<'RAYTRAIN_JOB_CONFIG'\n")[1].split("\nRAYTRAIN_JOB_CONFIG\n")[0])
     assert (config["scaling"]["workers"], config["scaling"]["backend"]) == (8, "nccl")
     entrypoint = next(line for line in script.splitlines() if line.startswith("printenv RAYTRAIN_JOB_CONFIG"))
-    assert entrypoint.startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.launch.job_entry train - "
+    assert entrypoint.startswith("printenv RAYTRAIN_JOB_CONFIG | python -m raytrain_app.cli.job_entry train - "
                                  "--address auto --min-nodes $SLURM_JOB_NUM_NODES --node-timeout 900 ")
     assert entrypoint.endswith(" &")
     # A range of nodes: SLURM starts the job on as many as it has, up to the max; the workers are a

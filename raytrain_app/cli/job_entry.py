@@ -1,8 +1,9 @@
-"""A submitted job's first Python on the cluster: `python -m raytrain_app.launch.job_entry train - ...`.
+"""A submitted job's first Python on the cluster: `python -m raytrain_app.cli.job_entry train - ...`.
 
-The node may never have seen raytrain-app: a job on Ray brought it (`package.py`). Ray is imported
-first, so that Ray's own psutil (`ray/thirdparty_files`, which `import ray` puts on the path)
-serves a node whose image has none. Then the node's versions are checked against those the
+The node may never have seen raytrain-app: a job on Ray brought it (`launch/package.py`). Ray is
+imported before the command runs (the command line's own modules need neither), so that Ray's own
+psutil (`ray/thirdparty_files`, which `import ray` puts on the path) serves a node whose image has
+none. Then the node's versions are checked against those the
 submitting machine recorded in the job, where no cluster could be asked before (a RayJob's
 cluster, a SLURM allocation): a mismatch is one line and exit 2, as it would have been there.
 Under SLURM the node's own installed raytrain-app runs, and another version than the submitting
@@ -11,7 +12,7 @@ machine's is said.
 
 import os
 
-import ray  # noqa: F401 - first: its vendored psutil for the imports below
+import ray  # noqa: F401 - before the command: its vendored psutil for what the command imports
 
 from raytrain_app.cli import exit_codes, run
 from raytrain_app.cli.base import warn

@@ -123,7 +123,6 @@ def sweep(config_file, params, samples, max_concurrent, scheduler, metric, mode,
     \b
     Examples:
       raytrain-app sweep examples/digits.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --samples 8
-      raytrain-app sweep examples/digits.yaml --param train.batch_size=choice:32,64,128
       raytrain-app sweep --resume sweeps/digits-20261124-101500
       raytrain-app sweep examples/digits.yaml --param optimizer.lr=loguniform:1e-4:1e-1 --cluster cluster/slurm.yaml
     """

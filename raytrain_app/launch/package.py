@@ -8,7 +8,7 @@ unpacks it on every node that runs a piece of the job, nodes that join later inc
 dependencies are carried too, from this machine's own installation, when they are pure Python
 (`py3-none-any` wheels, which run anywhere the same Python runs) and Ray's own requirements do
 not already bring them. The compiled ones are Ray's (numpy, pydantic-core, pyarrow, ...), or
-Ray's own vendored copy (psutil, in `ray/thirdparty_files`: `job_entry` imports Ray first).
+Ray's own vendored copy (psutil, in `ray/thirdparty_files`: `cli/job_entry.py` imports Ray first).
 Nothing is fetched from an index, so a cluster without index access works too.
 
 Two ways to the nodes, one content: a Jobs API submission names the folders (`py_modules`) and
@@ -36,7 +36,6 @@ import pyarrow as pa
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-import raytrain_app
 from raytrain_app import storage
 from raytrain_app.errors import UserError
 
@@ -110,7 +109,8 @@ def carried() -> tuple[Carried, ...]:
     """raytrain-app (from wherever this process imports it: a checkout in development, else
     site-packages), then each pure-Python distribution it needs that the cluster's Ray does not."""
     version = metadata.version(PROJECT)
-    items = [Carried(PROJECT, version, (os.path.dirname(raytrain_app.__file__), _dist_info(version)))]
+    items = [Carried(PROJECT, version, (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                        _dist_info(version)))]
     cluster = requirement_closure(CLUSTER_HAS)
     for key, dist in sorted(requirement_closure([PROJECT]).items()):
         if key != PROJECT and key not in cluster and _pure(dist):

@@ -22,14 +22,15 @@ from raytrain_app.cluster.profiles import ClusterProfile, mask
 from raytrain_app.config import JobConfig, dump_yaml, updated
 from raytrain_app.config.resolve import SHIPPED_FROM_ENV, resolve_auto
 from raytrain_app.errors import UserError
-from raytrain_app.launch import job_entry, package
+from raytrain_app.launch import package
 from raytrain_app.launch.shipping import check_upload_size, unshipped_imports
 from raytrain_app.launch.versions import SUBMITTED_WITH_ENV, Versions
 from raytrain_app.preflight.checks import check_data_and_model, check_script
 from raytrain_app.rundir import lease, snapshot
 
 CONFIG_ENV = "RAYTRAIN_JOB_CONFIG"
-JOB_ENTRY = f"python -m {job_entry.__name__}"  # a job's command on the cluster: no `raytrain-app` script there
+# A job's command on the cluster (cli/job_entry.py): no `raytrain-app` script is needed there.
+JOB_ENTRY = "python -m raytrain_app.cli.job_entry"
 
 
 @dataclass
