@@ -27,8 +27,9 @@ import torch
 import raytrain_app
 from raytrain_app import rundir
 from raytrain_app.inference import scoring
+from tests import runrecord
 from tests.commands import command
-from tests.conftest import REPO
+from tests.conftest import REPO, short_temp_dir
 
 FEATURES = ["age", "tenure_months", "monthly_fee", "support_calls", "usage_gb"]
 JOB = """\
@@ -85,10 +86,12 @@ def test_the_run_records_absolute_paths_and_the_best_checkpoint_it_reports(train
     config = rundir.read_config(result.run_dir)
     assert config["data"]["args"]["path"] == str(project / "data" / "train")  # resolved once, at launch
     assert config["data"]["args"]["eval_path"] == str(project / "data" / "eval")
-    chosen = rundir.choose(result.run_dir)
-    assert result.best_checkpoint == chosen.path and chosen.why.startswith("best: eval_accuracy")
-    assert result.best_metrics == rundir.best_row(result.metrics, "eval_accuracy", "max",
-                                                  {k.epoch for k in rundir.kept(result.run_dir)})
+    # The best by hand: the kept epoch-end checkpoint of the highest eval_accuracy, the earliest of equals.
+    path, row = runrecord.best(result.run_dir)
+    assert (result.best_checkpoint, result.best_metrics) == (path, row)
+    chosen = rundir.choose(result.run_dir)  # what evaluate, predict, export and load_model use
+    assert chosen.path == path
+    assert chosen.why == f"best: eval_accuracy {row['eval_accuracy']:.4f} at epoch {row['epoch']}"
 
 
 def test_evaluate_from_another_directory_on_its_split_and_on_a_labelled_csv(trained, monkeypatch):
@@ -158,11 +161,15 @@ def test_predict_from_another_directory_on_label_less_rows_with_the_csvs_columns
                                                  "(.parquet, .pq, or no suffix) or CSV (.csv), not .json\n"), proc
     assert not os.path.exists(os.path.join(elsewhere, "preds.json"))
 
-    # A misnamed column: one line, with the closest name, before Ray.
+    # A misnamed column: one line, with the closest name, before Ray (asked for with --ray): no Ray
+    # session in the temp dir it would use, and nothing written.
     pv.write_csv(rows.rename_columns([c.replace("tenure_months", "tenure_month") for c in rows.column_names]),
                  "typo.csv")
-    proc = command(["predict", result.run_dir, "--input", "typo.csv", "--output", "p.parquet"], elsewhere)
-    assert proc.returncode == 2 and proc.seconds < 10, proc
+    ray_tmp = short_temp_dir()
+    proc = command(["predict", result.run_dir, "--input", "typo.csv", "--output", "p.parquet", "--ray"], elsewhere,
+                   {**os.environ, "RAY_TMPDIR": ray_tmp})
+    assert os.listdir(ray_tmp) == [] and not os.path.exists(os.path.join(elsewhere, "p.parquet")), proc
+    assert (proc.returncode, proc.stdout) == (2, ""), proc
     assert proc.stderr == ("error: --input typo.csv has no column 'tenure_months', which the model was trained on as "
                            "an input (did you mean 'tenure_month'?)\n")
 
@@ -203,7 +210,12 @@ def test_a_model_from_the_projects_own_module_is_one_line_where_that_module_is_n
     assert not os.path.exists(elsewhere / "p.csv")
 
     proc = command(["evaluate", "run", "--local"], project)
-    assert proc.returncode == 0 and re.search(r"^eval_accuracy +0\.\d+$", proc.stdout, re.M), proc
+    assert proc.returncode == 0, proc
+    # It scores the run's checkpoint as training scored that epoch, by the run's own metrics.jsonl.
+    _, row = runrecord.best(run_dir)
+    printed = dict(line.split() for line in proc.stdout.splitlines() if re.fullmatch(r"eval_\w+ +\S+", line))
+    assert printed["eval_accuracy"] == f"{row['eval_accuracy']:.6g}"
+    assert float(printed["eval_loss"]) == pytest.approx(row["eval_loss"], rel=1e-5)
 
 
 def test_a_csv_of_several_targets_predictions_has_a_column_per_target(tmp_path):
@@ -244,8 +256,9 @@ def test_export_every_format_into_one_folder_and_load_each_on_raw_rows(trained):
 def test_runs_names_the_same_best_checkpoint(trained):
     _, result, elsewhere = trained
     proc = command(["runs", os.path.dirname(result.run_dir), "--json"], elsewhere)
+    assert proc.returncode == 0, proc
     [run] = json.loads(proc.stdout)
-    best = result.best_metrics
+    _, best = runrecord.best(result.run_dir)
     assert run["best"] == f"eval_accuracy {best['eval_accuracy']:.4f} (epoch {best['epoch']})"
 
 
@@ -275,7 +288,7 @@ def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_count
     assert resumed.stopped_early.startswith("stopped early after epoch 4: eval_accuracy did not improve for 3 ")
 
 
-def test_the_readmes_raw_row_example_runs_on_this_run(trained, monkeypatch, capsys):
+def test_the_readmes_raw_row_example_runs_on_this_run(trained, monkeypatch, capsys, tmp_path):
     """"Using a checkpoint"'s Python lines, in the project folder where its `runs/plans` is."""
     import re
 
@@ -286,10 +299,26 @@ def test_the_readmes_raw_row_example_runs_on_this_run(trained, monkeypatch, caps
     monkeypatch.chdir(project)
     namespace = {}
     exec(compile(example, "README.md", "exec"), namespace)
-    assert namespace["model"].source == result.best_checkpoint
-    probabilities = namespace["model"](namespace["rows"]).softmax(1)
-    assert probabilities.shape == (1, 3) and float(probabilities.sum()) == pytest.approx(1.0)
+    assert namespace["model"].source == runrecord.best(result.run_dir)[0]
+    with torch.no_grad():
+        [probabilities] = namespace["model"](namespace["rows"]).softmax(1).tolist()
     assert "Linear(in_features=5" in capsys.readouterr().out  # the model as built, printed
+
+    # The same raw row (the comment names its columns), as a file to `predict` (the columns in another
+    # order): the same class, as likely; and through the model as built, on the row normalised by
+    # hand with the training rows' statistics.
+    row = dict(zip(FEATURES, namespace["rows"].tolist()[0]))
+    pv.write_csv(pa.table({name: [value] for name, value in reversed(row.items())}), tmp_path / "one.csv")
+    scoring.predict(result.run_dir, str(tmp_path / "one.csv"), str(tmp_path / "one.parquet"), echo=lambda line: None,
+                    local=True)
+    [predicted] = pq.read_table(tmp_path / "one.parquet").to_pylist()
+    assert predicted["prediction"] == int(np.argmax(probabilities))
+    assert predicted["probability"] == pytest.approx(max(probabilities), rel=1e-6)
+    training = np.stack([customers(600, 0).column(c).to_numpy().astype(np.float64) for c in FEATURES], axis=1)
+    x = (np.array([list(row.values())]) - training.mean(0)) / training.std(0, ddof=1)
+    with torch.no_grad():
+        by_hand = namespace["model"].model(torch.tensor(x, dtype=torch.float32)).softmax(1)
+    assert by_hand.tolist()[0] == pytest.approx(probabilities, rel=1e-5)
 
 
 @pytest.mark.ray

@@ -3,6 +3,7 @@ on the real Ray cluster where its placement is what is checked."""
 
 
 import signal
+import statistics
 import time
 
 import pytest
@@ -18,9 +19,8 @@ from raytrain_app.errors import TrainingFailed, UserError
 from raytrain_app.models import build_model
 from raytrain_app.rundir import checkpoints
 from raytrain_app.worker.loop import seed_everything
+from tests import losses
 from tests.helpers import write_parquet
-
-pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 def job(**sections) -> JobConfig:
@@ -85,7 +85,7 @@ def test_metrics_are_all_reduced_over_every_rank(table, tmp_path):
     assert 100 < reported["peak_memory_mib"] < 8192  # a worker process with torch, Ray and this tiny model
 
 
-def test_a_run_the_cluster_cannot_hold_is_one_line_before_any_worker_starts(table, tmp_path):
+def test_a_run_the_cluster_cannot_hold_is_one_line_before_any_worker_starts(ray_cluster, table, tmp_path):
     """On Ray: what is checked is the cluster's room. The session's cluster has 4 CPUs and Ray's
     default share of this machine's memory."""
     ray_data = {**table, "engine": "ray_data"}
@@ -101,7 +101,7 @@ def test_a_run_the_cluster_cannot_hold_is_one_line_before_any_worker_starts(tabl
         assert not (tmp_path / "run").exists()
 
 
-def test_a_cluster_short_of_nodes_is_waited_for_then_named():
+def test_a_cluster_short_of_nodes_is_waited_for_then_named(ray_cluster):
     """What a SLURM job's entrypoint does while the allocation's nodes start Ray (`--min-nodes`)."""
     said = []
     wait_for_nodes(1, 0, said.append)  # the session's one node is there
@@ -111,7 +111,7 @@ def test_a_cluster_short_of_nodes_is_waited_for_then_named():
     assert 1.5 <= time.monotonic() - start < 5 and said == ["waiting for nodes: 1 of 2 joined"]
 
 
-def test_a_cluster_too_small_for_the_run_is_said_once_and_a_range_below_min_gives_up():
+def test_a_cluster_too_small_for_the_run_is_said_once_and_a_range_below_min_gives_up(ray_cluster):
     """RoomWatch against the session's cluster (4 CPUs, one node): a fixed run of 6 workers is
     told once, and waits on (its start tries end it); a range whose min is 5 gives up after
     failure.placement_timeout_s, interrupting the main thread as Ray Train's own Ctrl-C handling
@@ -122,26 +122,31 @@ def test_a_cluster_too_small_for_the_run_is_said_once_and_a_range_below_min_give
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for workers, timeout in ((6, 2.5), ("5:8", 1.5)):
         config = job(scaling={"workers": workers, "on_resize": "scale_lr"}, failure={"placement_timeout_s": timeout})
-        said = []
-        watch = RoomWatch(config, "/runs/r", said.append)
+        said, said_at = [], []
+
+        def say(line: str) -> None:
+            said.append(line)
+            said_at.append(time.monotonic())
+
+        watch = RoomWatch(config, "/runs/r", say)
         start = time.monotonic()
         watch.start()
         try:
             while time.monotonic() - start < timeout + 3:
                 time.sleep(0.1)
-            interrupted = False
+            gave_up_at = None
         except KeyboardInterrupt:
-            interrupted = True
+            gave_up_at = time.monotonic()
         watch.stop()
         low = 5 if config.scaling.elastic else 6
         needs = "the range needs at least" if config.scaling.elastic else "the run needs"
         assert said == [f"waiting for room: the cluster holds 4 of the {low} workers {needs} (1 nodes: 0 GPUs/4 CPUs); "
                         f"giving up in {timeout:g}s (failure.placement_timeout_s)"], said
-        assert interrupted == config.scaling.elastic and (watch.gave_up is not None) == interrupted
+        assert (gave_up_at is not None) == config.scaling.elastic == (watch.gave_up is not None), gave_up_at
+    assert 1.5 <= gave_up_at - said_at[0] < 1.5 + 3  # it gives up its timeout after saying it waits, not before
     assert watch.gave_up == ("the cluster could not place the 5 workers its range needs within 1.5s "
                              "(failure.placement_timeout_s): it holds 4 now (1 nodes: 0 GPUs/4 CPUs); `--resume "
                              "--run-dir /runs/r` continues from its latest checkpoint (with --workers 4 it fits now)")
-    assert time.monotonic() - start < 1.5 + 3
 
 
 def recorded_run(tmp_path, name: str):
@@ -199,28 +204,42 @@ def test_a_run_resumed_inside_an_epoch_at_another_world_size_trains_each_sample_
     out, marker = tmp_path / "seen", tmp_path / "fault"
     out.mkdir()
     marker.touch()
-    model = {"name": "tests.helpers:faulty_recorder", "args": {"out_dir": str(out), "marker": str(marker), "at": 5,
-                                                              "rank": before - 1}}
+    model = {"name": "tests.losses:faulty_output_recorder", "args": {"out_dir": str(out), "marker": str(marker),
+                                                                    "at": 5, "rank": before - 1}}
     config = job(data={"name": "tests.helpers:index_data", "args": {"train_size": 48, "eval_size": 5}}, model=model,
                  train={"epochs": 2, "batch_size": 4}, checkpoint={"every_steps": 2}, scaling={"workers": before})
     with pytest.raises(TrainingFailed, match="injected crash"):
         run(config, tmp_path / "run")
     marker.unlink()
     done = 4 * 4 * before  # steps 1-4 of every rank: the checkpoint's position, 16 or 32 samples
-    first = {r: (out / f"rank-{r}.txt").read_text().splitlines()[:4] for r in range(before)}
-    for r in range(before):
-        (out / f"rank-{r}.txt").unlink()
+    first = recorded_batches(out, before)
     resumed = run(config.model_copy(update={"scaling": config.scaling.model_copy(update={"workers": after})}),
                   tmp_path / "run", resume=True)
-    batches = {r: [list(map(int, line.split())) for line in (out / f"rank-{r}.txt").read_text().splitlines()]
-               for r in range(after)}
+    batches = recorded_batches(out, after)
     left = (48 - done) // 4 // after  # each new rank's batches in the rest of epoch 1
-    epoch1 = [int(i) for lines in first.values() for line in lines for i in line.split()]
-    epoch1 += [i for r in range(after) for batch in batches[r][:left] for i in batch]
-    epoch2 = [i for r in range(after) for batch in batches[r][left:] for i in batch]
-    assert sorted(epoch1) == sorted(epoch2) == list(range(48))
+    epoch1 = [batch for r in range(before) for batch in first[r][:4]]
+    epoch1 += [batch for r in range(after) for batch in batches[r][:left]]
+    epoch2 = [batch for r in range(after) for batch in batches[r][left:]]
+    assert sorted(i for samples, _ in epoch1 for i in samples) == list(range(48))
+    assert sorted(i for samples, _ in epoch2 for i in samples) == list(range(48))
     log = (tmp_path / "run" / "logs" / "rank-0.log").read_text()
     assert "at step 4: epoch 1 from batch 4" in log.rsplit("rank 0/", 1)[-1], log
     assert [r["world_size"] for r in resumed.metrics] == [after, after]
-    # The epoch's loss is over every sample it trained, before the resize and after.
+    # The epoch's loss is over every sample it trained, before the resize and after: the mean of
+    # the 48 losses computed here from the outputs each sample got.
     assert [r["train_samples"] for r in resumed.metrics] == [48, 48]
+    assert [r["train_loss"] for r in resumed.metrics] == pytest.approx(
+        [statistics.fmean(loss for _, scored in epoch for loss in scored) for epoch in (epoch1, epoch2)], rel=1e-5)
+
+
+def recorded_batches(out, ranks: int) -> list[list[tuple[list[int], list[float]]]]:
+    """Each rank's training batches in `out` (tests.losses.OutputRecorder's files), as (samples,
+    each sample's loss); the files are removed, for the next run's."""
+    found = []
+    for r in range(ranks):
+        samples, outputs = ((out / f"{name}-{r}.txt").read_text().splitlines() for name in ("rank", "outputs"))
+        found.append([(indices, losses.cross_entropy(logits, [i % 2 for i in indices]))  # IndexDataset: label i % 2
+                      for indices, logits in zip((list(map(int, line.split())) for line in samples), outputs)])
+        for name in ("rank", "outputs"):
+            (out / f"{name}-{r}.txt").unlink()
+    return found

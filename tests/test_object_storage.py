@@ -29,10 +29,10 @@ def overrides(marker, epochs: int) -> list[str]:
 
 
 def train(run_dir, marker, epochs, resume=False, echo=lambda line: None):
-    """The same job through the library, in local mode (its worker processes have the object
-    store's credentials in their environment, which the session's cluster fixture sets)."""
-    plan = make_plan(load_config("examples/digits.yaml", overrides(marker, epochs)), run_dir=run_dir, resume=resume,
-                     local=True)
+    """The same job through the library, in local mode (its worker processes take the object
+    store's endpoint and credentials from this process's environment: `store_env`)."""
+    plan = make_plan(load_config(f"{REPO}/examples/digits.yaml", overrides(marker, epochs)), run_dir=run_dir,
+                     resume=resume, local=True)
     return run_training(plan, echo=echo)
 
 
@@ -51,7 +51,17 @@ def epoch_lines(out: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def straight(s3, ray_cluster, tmp_path_factory):
+def store_env(s3):
+    """The object store's endpoint and credentials in this process's environment, as a user
+    exports them, for this module's runs (no Ray: local mode)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in s3.env.items():
+            patch.setenv(name, value)
+        yield
+
+
+@pytest.fixture(scope="module")
+def straight(s3, store_env, tmp_path_factory):
     """An uninterrupted 2-epoch run into the bucket (no marker: the model never faults)."""
     marker = tmp_path_factory.mktemp("s3") / "never"
     return train(f"s3://{s3.bucket}/{PREFIX}/straight", marker, 2)

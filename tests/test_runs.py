@@ -229,6 +229,32 @@ def test_json_lists_every_field(tmp_path):
                    "epochs": 3, "best": "eval_accuracy 0.6500 (epoch 3)", "status": "finished"}
 
 
+# A run directory as the README documents its files (and run.json as `runs` reads it), written
+# out by hand: a format that the writers and `runs` got wrong alike would pass the tests above.
+HANDWRITTEN = {
+    "config.yaml": "name: digits\ntrain:\n  epochs: 4\ncheckpoint:\n  metric: eval_loss\n  mode: min\n",
+    "metrics.jsonl": '{"epoch": 1, "step": 45, "train_loss": 0.9, "eval_loss": 0.3, "eval_accuracy": 0.91}\n'
+                     '{"epoch": 2, "step": 90, "train_loss": 0.5, "eval_loss": 0.3, "eval_accuracy": 0.93}\n'
+                     '{"epoch": 3, "step": 135, "train_loss": 0.2, "eval_loss": 0.1, "eval_accuracy": 0.97}\n',
+    "run.json": '{"status": "interrupted", "started": 1767261600.5, "updated": 1767262500.0, "host": "gpu-node-7", '
+                '"pid": 4242, "reason": "interrupted (Ctrl-C)"}\n',
+    "checkpoint_manager_snapshot.json": "{}",
+    # epochs 1 and 2 tie on eval_loss; epoch 3 scored best, but only a checkpoint inside epoch 4 is kept of it
+    "checkpoint_2026-01-01_10-01-00.000000/checkpoint.json": '{"epoch": 1, "step": 45, "batch": 0}',
+    "checkpoint_2026-01-01_10-02-00.000000/checkpoint.json": '{"epoch": 2, "step": 90, "batch": 0}',
+    "checkpoint_2026-01-01_10-03-30.000000/checkpoint.json": '{"epoch": 3, "step": 140, "batch": 10}',
+}
+
+
+def test_a_handwritten_run_directory_reads_as_documented(tmp_path):
+    for name, text in HANDWRITTEN.items():
+        (tmp_path / "by-hand" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "by-hand" / name).write_text(text)
+    [row] = json.loads(runs.as_json(runs.find_runs(str(tmp_path))))
+    assert row == {"path": str(tmp_path / "by-hand"), "name": "by-hand", "started": 1767261600.5, "epochs_done": 3,
+                   "epochs": 4, "best": "eval_loss 0.3000 (epoch 1)", "status": "resumable"}
+
+
 def test_a_missing_directory_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no such directory: .*nowhere"):
         runs.find_runs(str(tmp_path / "nowhere"))

@@ -26,6 +26,7 @@ from raytrain_app.cluster.dashboard import Dashboard
 from raytrain_app.cluster.profiles import load_profile, user_runtime_dir
 from raytrain_app.cluster.session import ClusterChoice, choose_cluster, free_port, running_local_cluster
 from raytrain_app.data.parquet import DIGITS_FILE
+from tests import runrecord
 from tests.commands import command
 from tests.conftest import REPO, TUTORIAL_SCRIPT, epoch_lines, running, short_temp_dir, sweep_table
 
@@ -190,13 +191,19 @@ def test_status_logs_and_stop_on_a_long_job(two_nodes, tmp_path):
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"{job_id}: STOPPED"
     assert "STOPPED" in cli("status", job_id, "--cluster", profile_file).stdout
 
-    # Stopped, the run is continued by a new job from its latest checkpoint, two epochs further.
-    done = [json.loads(line)["epoch"] for line in open(f"{run_dir}/metrics.jsonl")]
+    # Stopped, the run is continued by a new job from its latest checkpoint, two epochs further:
+    # from that checkpoint's position (its checkpoint.json), printing only the epochs after it.
+    done = [row["epoch"] for row in runrecord.metrics(run_dir)]
+    latest, position = runrecord.latest(run_dir)
     resumed = cli("submit", "examples/digits.yaml", "--cluster", profile_file, "--resume", run_dir, "--skip-checks",
                   "--set", f"train.epochs={done[-1] + 2}", *PACED)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"run directory {run_dir}" in resumed.stdout and re.search(r"resumed from \S+ at step", resumed.stdout)
-    epochs = [json.loads(line)["epoch"] for line in open(f"{run_dir}/metrics.jsonl")]
+    assert f"run directory {run_dir}" in resumed.stdout
+    restored, step = re.search(r"resumed from (\S+) at step (\d+):", resumed.stdout).groups()
+    assert (os.path.basename(restored), int(step)) == (os.path.basename(latest), position["step"]), resumed.stdout
+    printed = [int(re.match(r"epoch +(\d+)/", line).group(1)) for line in epoch_lines(resumed.stdout)]
+    assert printed == list(range(position["epoch"] + 1, done[-1] + 3)), resumed.stdout
+    epochs = [row["epoch"] for row in runrecord.metrics(run_dir)]
     assert epochs == list(range(1, done[-1] + 3)), epochs
     assert [json.loads(line)["kind"] for line in open(f"{run_dir}/restarts.jsonl")] == ["resume"]
     assert json.loads(open(f"{run_dir}/run.json").read())["status"] == "finished"
@@ -260,7 +267,7 @@ def test_a_sweep_submitted_to_the_cluster_runs_its_trials_on_both_nodes_and_best
     assert re.search(rf"^{job_id} +digits \(sweep\) +SUCCEEDED .* {sweep_dir}$", listed, re.M), listed
     # `--resume` sends the same driver with the sweep's directory, and writes nothing into it.
     resumed = cli("sweep", "--resume", sweep_dir, "--cluster", profile_file, "--dry-run", env=env)
-    assert resumed.returncode == 0 and re.search(rf"entrypoint +python -m raytrain_app.cli sweep --resume "
+    assert resumed.returncode == 0 and re.search(rf"entrypoint +python -m raytrain_app.cli.job_entry sweep --resume "
                                                  rf"{sweep_dir} --address auto$", resumed.stdout, re.M)
 
     # The best row is the best any trial's metrics.jsonl holds (read from the bucket), best first.

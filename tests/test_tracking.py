@@ -27,25 +27,32 @@ class Position:
         self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def loss_at(step: int) -> float:
-    return 1.0 / step  # what an exact resume reproduces: the same value at the same step
+def loss_at(step: int, number: int) -> float:
+    """Step `step`'s loss in attempt `number` (1 or 2). An exact resume would repeat attempt 1's
+    values; here the restarted attempt's differ, so that which attempt a kept point came from shows."""
+    return number + 1.0 / step
 
 
-def attempt(job: JobConfig, run_dir: str, restored: int, until: int) -> tracking.Trackers:
-    """Steps restored+1..until as the loop runs them, with epoch rows at each epoch's end."""
+def mean_loss(steps: tuple, number: int) -> float:
+    return sum(loss_at(step, number) for step in steps) / len(steps)
+
+
+def attempt(job: JobConfig, run_dir: str, restored: int, until: int, number: int) -> tracking.Trackers:
+    """Steps restored+1..until as the loop runs them in attempt `number`, with epoch rows at each
+    epoch's end."""
     at = Position()
     at.step = restored
     trackers = tracking.Trackers(job, run_dir, rank=0, world_size=2, state=at)
     for step in range(restored + 1, until + 1):
         if (step - 1) % STEPS_PER_EPOCH == 0:
             at.totals = Totals(torch.device("cpu"))
-        at.totals.add(torch.tensor(loss_at(step)), 4)
+        at.totals.add(torch.tensor(loss_at(step, number)), 4)
         at.step = step
         if step == 1:
             trackers.startup({"imports+checks": 1.5, "total": 4.0})
         trackers.step(at)
         if step % STEPS_PER_EPOCH == 0:
-            trackers.epoch({"epoch": step // STEPS_PER_EPOCH, "step": step, "eval_loss": loss_at(step),
+            trackers.epoch({"epoch": step // STEPS_PER_EPOCH, "step": step, "eval_loss": loss_at(step, number),
                             "eval_accuracy": 0.5, "checkpoint": "not a number"})
     return trackers
 
@@ -57,8 +64,8 @@ def tracked(tmp_path_factory):
                                "tracking": {"log_every_steps": EVERY, "wandb": {"project": "p", "mode": "offline"},
                                             "mlflow": {"experiment": "exp"}}})
     tracking.check(job.tracking, run_dir)
-    attempt(job, run_dir, restored=0, until=8).close()  # ends after step 8 (its process dies) ...
-    attempt(job, run_dir, restored=5, until=10).close()  # ... and restarts from its step-5 checkpoint
+    attempt(job, run_dir, restored=0, until=8, number=1).close()  # ends after step 8 (its process dies) ...
+    attempt(job, run_dir, restored=5, until=10, number=2).close()  # ... and restarts from its step-5 checkpoint
     tracking.finish(job.tracking, run_dir, "FINISHED", "/runs/x/checkpoint_best", {"eval_loss": 0.1})
     return run_dir
 
@@ -70,9 +77,14 @@ def test_tensorboard_shows_one_curve_across_a_restart(tracked):
     events.Reload()
     losses = events.Scalars("step/train_loss")
     assert [e.step for e in losses] == list(range(EVERY, 11, EVERY))
-    # each point is the mean loss since the previous one, within the epoch
-    assert losses[0].value == pytest.approx(sum(map(loss_at, (1, 2))) / 2)
-    assert [e.step for e in events.Scalars("epoch/eval_loss")] == [5, 10]
+    # Each point is the mean loss since the previous one within its epoch (epoch 2 is steps 6 to
+    # 10). The restart purged the first attempt's points after its step-5 checkpoint: those from
+    # step 6 on are the restarted attempt's.
+    assert [e.value for e in losses] == pytest.approx([mean_loss(steps, number) for steps, number in (
+        ((1, 2), 1), ((3, 4), 1), ((6,), 2), ((7, 8), 2), ((9, 10), 2))])
+    evals = events.Scalars("epoch/eval_loss")
+    assert [e.step for e in evals] == [5, 10]
+    assert [e.value for e in evals] == pytest.approx([loss_at(5, 1), loss_at(10, 2)])
     assert events.Scalars("startup/imports_checks_s")[0].value == 1.5
     assert "epoch/checkpoint" not in events.Tags()["scalars"]
     assert "config" in "".join(events.Tags()["tensors"])  # the resolved config, as text
@@ -88,13 +100,14 @@ def test_mlflow_run_is_reused_and_holds_each_step_once(tracked):
     assert run.info.run_name == "run"
     history = client.get_metric_history(run.info.run_id, "step/train_loss")
     assert sorted(m.step for m in history) == list(range(EVERY, 11, EVERY))
-    # After the restart from step 5, the points are the ones the restarted attempt computed: each
-    # the mean loss since the previous point within its epoch (epoch 2 is steps 6 to 10).
+    # MLflow keeps what it holds: the restarted attempt skipped the steps up to the first one's last
+    # point (8), so only step 10 is the restarted attempt's; each point the mean loss since the
+    # previous one within its epoch (epoch 2 is steps 6 to 10).
     values = {m.step: m.value for m in history}
-    assert values[6] == pytest.approx(loss_at(6))
-    assert values[8] == pytest.approx((loss_at(7) + loss_at(8)) / 2)
-    assert values[10] == pytest.approx((loss_at(9) + loss_at(10)) / 2)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "epoch/eval_loss")] == [5, 10]
+    assert [values[step] for step in sorted(values)] == pytest.approx([mean_loss(steps, number) for steps, number in (
+        ((1, 2), 1), ((3, 4), 1), ((6,), 1), ((7, 8), 1), ((9, 10), 2))])
+    evals = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "epoch/eval_loss")}
+    assert sorted(evals) == [5, 10] and [evals[5], evals[10]] == pytest.approx([loss_at(5, 1), loss_at(10, 2)])
     assert run.data.params["optimizer.lr"] == "0.1" and run.data.params["tracking.log_every_steps"] == "2"
     assert run.data.tags["best_checkpoint"] == "/runs/x/checkpoint_best"
     assert client.download_artifacts(run.info.run_id, "best_checkpoint.json").endswith(".json")
