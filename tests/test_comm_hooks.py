@@ -4,6 +4,7 @@ on real Gloo process groups; PowerSGD going on in a restarted process, whose DDP
 out otherwise, and its state through a SIGKILL and a resume at another world size; the refusals.
 Local mode and spawned process groups: no Ray under test."""
 
+import json
 import re
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 from raytrain_app.config import JobConfig
 from raytrain_app.worker.strategy import parallelize
+from tests import runrecord
 from tests.commands import command
 from tests.conftest import REPO
 from tests.gloo import spawn
@@ -56,6 +58,24 @@ def _mean(local: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _summed(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t` over the ranks, all-reduced here."""
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _projected(m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`m` projected onto the direction of the column `p`: P P^T m with P = p / |p|, which is P Q^T
+    for Q = m^T P. PowerSGD of rank 1 leaves each gradient so, `m` being the ranks' mean matrix."""
+    p = p / p.norm()
+    return p @ (p.T @ m)
+
+
+def _off(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
 def _hooked(rank: int, hook: str, out_dir: str) -> None:
     config = JobConfig.from_dict({"ddp": {**POWERSGD, "comm_hook": hook}, "scaling": {"workers": 2}})
     parallel = parallelize(_model(), config, 2, "one node", CPU, print)
@@ -67,6 +87,7 @@ def _hooked(rank: int, hook: str, out_dir: str) -> None:
     assert ddp._get_ddp_logging_data().get("comm_hook") == {"fp16": "fp16_compress_hook",
                                                              "bf16": "bf16_compress_hook",
                                                              "powersgd": "CommHook._powersgd_hook"}[hook]
+    hand = {}  # weight matrix -> (this rank's error feedback, the Q its next step starts from), by hand
     for step in range(5):
         for model in (ddp, local):
             model.zero_grad()
@@ -81,9 +102,29 @@ def _hooked(rank: int, hook: str, out_dir: str) -> None:
         matrices = [(g, m) for g, m in zip(got, mean) if g.dim() == 2]
         if step < 3:  # PowerSGD's first start_iter steps are plain all-reduces
             assert all(torch.allclose(g, m, rtol=1e-6, atol=1e-7) for g, m in zip(got, mean))
-        else:  # each weight matrix arrives as the rank-1 product of the two factors sent, the rest whole
-            assert all(torch.linalg.matrix_rank(g) == 1 < torch.linalg.matrix_rank(m) for g, m in matrices)
-            assert all(torch.allclose(g, m, rtol=1e-6, atol=1e-7) for g, m in zip(got, mean) if g.dim() == 1)
+            continue
+        # Each weight matrix arrives as the rank-1 product of the two factors sent, the rest whole; and
+        # the same on every rank: a hook that left P or Q unreduced would leave each rank its own.
+        assert all(torch.linalg.matrix_rank(g) == 1 < torch.linalg.matrix_rank(m) for g, m in matrices)
+        assert all(torch.allclose(g, m, rtol=1e-6, atol=1e-7) for g, m in zip(got, mean) if g.dim() == 1)
+        for g in got:
+            ranks = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+            dist.all_gather(ranks, g)
+            assert all(torch.equal(g, other) for other in ranks)
+        # PowerSGD done here: M is this rank's gradient plus its error feedback; P = the sum of M Q over
+        # the ranks, orthonormalized (rank 1: a unit vector); Q = M^T P averaged; the gradient P Q^T.
+        # The first compressed step starts from a random Q of the hook's own: there P is the direction
+        # of the gradient's one column space, and the check is that the gradient is the ranks' mean
+        # matrix projected onto it (no error feedback yet). The next one starts from that step's Q.
+        for index, (g, own) in enumerate(zip(got, (p.grad for p in local.parameters()))):
+            if g.dim() == 2:
+                error, q = hand.get(index, (torch.zeros_like(own), None))
+                m = own + error
+                p = torch.linalg.svd(g).U[:, :1] if q is None else _summed(m @ q)
+                m_mean = _summed(m) / dist.get_world_size()
+                expected = _projected(m_mean, p)
+                assert _off(g, expected) < 1e-5, (step, index, _off(g, expected))  # rounding: 4e-7 seen
+                hand[index] = (m - expected, m_mean.T @ (p / p.norm()))
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
@@ -111,7 +152,9 @@ def test_fsdp_reduces_gradients_in_the_reduce_dtype_and_keeps_fp32_shards(reduce
 def _resumed(rank: int, tolerance: float) -> None:
     """Eight SGD steps through PowerSGD; then steps 5 to 7 again on a fresh DDP object, as a
     restarted process has, from the state saved before step 5: each gives the same gradients, up to
-    `tolerance` of their norm."""
+    `tolerance` of their norm. Then step 5 from that state said to be from one worker more: the
+    ranks are other ones, so it starts with no error feedback and a fresh Q, as from a state that
+    holds neither (the step count alone)."""
     world = dist.get_world_size()
     config = JobConfig.from_dict({"ddp": POWERSGD, "scaling": {"workers": world}})
 
@@ -138,6 +181,24 @@ def _resumed(rank: int, tolerance: float) -> None:
         got = sgd(again.train_model, step)
         off = [((g - h).norm() / h.norm()).item() for g, h in zip(got, grads[step])]
         assert max(off) <= tolerance, (step, off)  # 0: bitwise
+
+    elsewhere, bare = (parallelize(_model(), config, world, "one node", CPU, print) for _ in range(2))
+    for parallel in (elsewhere, bare):
+        parallel.model.load_state_dict(saved[0])
+    elsewhere.comm_hook.load_state_dict({**saved[1], "world_size": world + 1})
+    elsewhere.comm_hook.load_rank_state_dict(saved[2])
+    bare.comm_hook.load_state_dict({**saved[1], "q": {}})
+    got = sgd(elsewhere.train_model, 5)
+    assert all(torch.equal(g, h) for g, h in zip(got, sgd(bare.train_model, 5)))
+    assert not all(torch.equal(g, h) for g, h in zip(got, grads[5]))  # what was saved would have changed it
+    # By hand: with no error feedback each weight's gradient is the ranks' mean gradient projected
+    # onto P, the direction of its one column space (see _hooked).
+    local = _model()
+    local.load_state_dict(saved[0])
+    _step(local, rank, 5)
+    for g, mean in zip(got, _mean(local)):
+        if g.dim() == 2:
+            assert _off(g, _projected(mean, torch.linalg.svd(g).U[:, :1])) < 1e-5
 
 
 @pytest.mark.parametrize("world_size, tolerance", [(2, 0), (3, 1e-5)])
@@ -178,13 +239,24 @@ def test_a_killed_worker_resumes_bitwise_with_powersgd_and_another_world_size_re
     weights, compressed = final_weights(plain), final_weights(straight)
     assert not all(torch.equal(weights[k], compressed[k]) for k in weights)  # PowerSGD really trained it
 
-    # Three workers resume what two trained: other ranks, so their error feedback starts at zero, said once.
+    # Three workers resume what two trained: other ranks, so their error feedback starts at zero, said once
+    # (what that step then computes is checked in the test above). The run finishes at 3 workers, PowerSGD's
+    # step count going on from the two's, and each of the three ranks saves error feedback for each matrix.
     lines = []
-    trained(faulty(tmp_path / "never", 40, "kill", ddp=POWERSGD, train={"epochs": 3}, scaling={"workers": 3}),
-            tmp_path / "straight", True, resume=True, lines=lines)
+    grown = trained(faulty(tmp_path / "never", 40, "kill", ddp=POWERSGD, train={"epochs": 3}, scaling={"workers": 3}),
+                    tmp_path / "straight", True, resume=True, lines=lines)
     assert [line for line in lines if "powersgd" in line] == [
         "warning: ddp.comm_hook powersgd: the checkpoint is from 2 workers and this run has 3: error feedback and "
         "factors restart at zero"], lines
+    assert json.loads((tmp_path / "straight" / "run.json").read_text())["status"] == "finished"
+    rows = runrecord.metrics(tmp_path / "straight")
+    assert [(row["epoch"], row["world_size"]) for row in rows] == [(1, 2), (2, 2), (3, 3)], rows
+    state = torch.load(f"{grown.final_checkpoint}/state.pt", weights_only=True)
+    assert state["comm_hook"]["world_size"] == 3 and state["comm_hook"]["iter"] == rows[-1]["step"]
+    matrices = {name: weight.shape for name, weight in state["model"].items() if weight.dim() == 2}
+    for rank in range(3):
+        errors = torch.load(f"{grown.final_checkpoint}/rank{rank}.pt", weights_only=True)["comm_hook"]
+        assert {name: error.shape for name, error in errors.items()} == matrices, (rank, errors.keys())
 
 
 @pytest.mark.parametrize("sets, message", [

@@ -24,6 +24,7 @@ from raytrain_app.driver.plan import make_plan
 from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import TrainingFailed, UserError
 from raytrain_app.worker import checkpoint
+from tests.checkpoint_files import check_opens
 from tests.commands import command as run_command
 from tests.conftest import REPO, running
 from tests.helpers import write_parquet
@@ -148,6 +149,8 @@ def test_ctrl_c_and_sigterm_stop_every_worker_process_and_leave_whole_checkpoint
         assert not list(run_dir.rglob("*.tmp"))
         kept = sorted(d for d in run_dir.glob("checkpoint_*") if d.is_dir())
         assert kept and all(checkpoint.verify(str(d), r) is None for d in kept for r in (0, 1))
+        for d in kept:  # and whole as a user opens them, into a LeNet of their own
+            check_opens(d, ranks=(0, 1))
 
 
 def test_a_driver_killed_outright_leaves_no_worker_process_behind(tmp_path):

@@ -24,6 +24,7 @@ from raytrain_app.cluster import localnodes
 from raytrain_app.cluster.dashboard import Dashboard
 from raytrain_app.cluster.profiles import ClusterProfile, load_profile
 from raytrain_app.rundir import snapshot
+from tests import runrecord
 from tests.commands import command
 from tests.conftest import REPO, running, short_temp_dir
 
@@ -170,25 +171,33 @@ def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sam
 
 
 def test_a_drained_node_gets_a_checkpoint_at_the_notice_and_a_run_too_big_for_what_is_left_ends(two_nodes, tmp_path):
+    """The model records each batch's samples (paced at 0.2 s a batch, 23 batches an epoch), so
+    that what the checkpoint holds can be counted against what the ranks trained."""
     nodes = two_nodes
-    run_dir = tmp_path / "run"
+    run_dir, seen, hold = tmp_path / "run", tmp_path / "seen", tmp_path / "hold"
+    seen.mkdir()
+    hold.touch()
+    size = 2 * 4 * 23
     env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}  # the watcher's polls, in a test's time
     env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
     errors = tmp_path / "stderr"  # a file, which no full pipe can stall the run on
     proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--ray",
-                             "--run-dir", str(run_dir), "--set", "train.epochs=200",
-                             "--set", "model={name: 'tests.helpers:paced'}",
+                             "--run-dir", str(run_dir), "--set", "train.epochs=200", "--set", "train.batch_size=4",
+                             "--set", f"data={{name: 'tests.helpers:index_data', args: {{train_size: {size}, "
+                                      "eval_size: 5}}",
+                             "--set", f"model={{name: 'tests.helpers:recorder', args: {{out_dir: '{seen}', "
+                                      f"per_process: true, hold: '{hold}', hold_s: 0.2}}}}",
                              "--set", "checkpoint.every_epochs=100", "--set", "failure.placement_timeout_s=8"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
                             start_new_session=True)
     try:
-        drain_and_stop(proc, nodes.profile, nodes.worker, run_dir, errors)
+        drain_and_stop(proc, nodes.profile, nodes.worker, run_dir, errors, seen, size)
     finally:
         if proc.poll() is None:  # a failed assertion: the run must not outlive the test
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def drain_and_stop(proc: subprocess.Popen, profile, worker: int, run_dir, errors) -> None:
+def drain_and_stop(proc: subprocess.Popen, profile, worker: int, run_dir, errors, seen, size: int) -> None:
     said, notice = drain(proc, profile, worker, 200)
     stopped = time.monotonic()
     assert "using the running local cluster 'preempt'" in "".join(said), said
@@ -204,14 +213,26 @@ def drain_and_stop(proc: subprocess.Popen, profile, worker: int, run_dir, errors
                         r"\(with --workers 1 it fits now\)\n", err.split("error: ")[-1]), err
     # The checkpoint taken at the notice is the run's latest, where it stood then: mid-epoch (or,
     # at an epoch's last step, that epoch's own).
-    latest = snapshot.latest(str(run_dir))
-    position = json.loads(open(os.path.join(latest, rundir.POSITION)).read())
+    _, position = runrecord.latest(run_dir)
     if epoch_end:
         assert (position["epoch"], position["batch"]) == (int(epoch_end), 0), position
     else:
         assert (position["step"], position["epoch"] + 1, position["batch"]) == (int(step), int(epoch), int(batch))
         assert int(batch) > 0
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+    # What the ranks trained up to that step, by the recorder (one line a batch, one batch a step at 2
+    # workers), is what the checkpoint says: each sample once in each epoch done, and the epoch under
+    # way's first batches, 4 distinct samples each. One group trained (the restart could place none),
+    # and it trained that far.
+    files = sorted(seen.glob("rank-*.txt"))
+    assert [path.name.split("-")[1] for path in files] == ["0", "1"], files
+    batches = [path.read_text().splitlines() for path in files]
+    assert all(len(lines) >= position["step"] for lines in batches), (position, [len(lines) for lines in batches])
+    counts = collections.Counter(int(i) for lines in batches for line in lines[:position["step"]] for i in line.split())
+    assert set(counts) == set(range(size))
+    under_way = 2 * 4 * position["batch"]
+    assert collections.Counter(counts.values()) == collections.Counter({position["epoch"]: size - under_way,
+                                                                        position["epoch"] + 1: under_way}), position
 
 
 def train_worker(process: psutil.Process) -> bool:

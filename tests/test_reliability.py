@@ -24,8 +24,6 @@ from raytrain_app.worker import checkpoint
 from raytrain_app.worker.state import TrainState
 from tests.test_distributed import final_weights, job, run
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
-
 
 def faulty(marker, at, fault, rank=1, **sections):
     """Digits with a dropout MLP: 1438 rows / 2 ranks / 32 = 23 steps per epoch per rank."""
@@ -68,7 +66,8 @@ def straight_and_killed(config, tmp_path) -> tuple:
     return straight, killed, resumed_at((tmp_path / "killed" / "logs" / "rank-1.log").read_text())[:3]
 
 
-def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise_from_the_bucket(straight, tmp_path, mlflow_server, s3):
+def test_killed_worker_restarts_and_resumes_mid_epoch_bitwise_from_the_bucket(ray_cluster, straight, tmp_path,
+                                                                              mlflow_server, s3):
     """On Ray: Ray Train's own restart of the worker group is what is tested (local mode's has its
     test in test_local_mode). The run directory is in the S3-compatible store, so the restart
     restores from the bucket. The worker killed is rank 0, the trackers' writer: what reached the
@@ -124,6 +123,7 @@ def tensorboard_curve(run_dir: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("step/train_loss")]
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_reproduces_the_uninterrupted_run(straight, tmp_path):
     marker = tmp_path / "fault"
     marker.touch()
@@ -142,7 +142,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(straight, tmp_pat
         assert torch.equal(final_weights(resumed)[name], w), name
 
 
-def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(tmp_path):
+def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(ray_cluster, tmp_path):
     """On Ray: how Ray Train reports the ranks' timed-out collectives is what is tested."""
     marker = tmp_path / "fault"
     marker.touch()
@@ -178,7 +178,7 @@ def test_a_dead_worker_is_named_before_the_peers_its_death_broke():
                         message), message
 
 
-def test_a_worker_sigkilled_on_ray_is_named_by_rank_node_and_pid_without_rays_socket_words(tmp_path):
+def test_a_worker_sigkilled_on_ray_is_named_by_rank_node_and_pid_without_rays_socket_words(ray_cluster, tmp_path):
     """Ray's raylet lets the kernel reap its workers (SIGCHLD ignored), so Ray reports a SIGKILLed
     worker as a closed connection ("connection error code 2. End of file"), with no exit status;
     the line says what is known: the rank, its node and pid, and that it died without an exception."""
@@ -201,6 +201,7 @@ def test_a_worker_sigkilled_on_ray_is_named_by_rank_node_and_pid_without_rays_so
 STALL_SLACK_S = 6
 
 
+@pytest.mark.slow
 def test_damaged_and_hostile_checkpoints_are_reported_and_skipped(tmp_path):
     config = job(data={"name": "digits"}, train={"epochs": 3, "batch_size": 64}, checkpoint={"keep": 3})
     run(config, tmp_path / "run")
@@ -270,6 +271,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_file_whole(tmp_path, monke
     assert not list(tmp_path.glob("*.tmp"))  # and no torn temporary left behind
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_good_checkpoint(tmp_path):
     marker = tmp_path / "nan"
     marker.touch()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from raytrain_app.worker import checkpoint
+from tests.checkpoint_files import check_opens
 from tests.conftest import REPO, running, short_temp_dir
 
 
@@ -70,6 +71,8 @@ def test_ctrl_c_stops_the_workers_and_the_cluster_and_leaves_nothing_half_writte
     assert kept  # every checkpoint directory whole: a directory without state.pt is a half-written one
     assert [(d.name, checkpoint.verify(str(d), r)) for d in kept for r in (0, 1)] == [(d.name, None) for d in kept
                                                                                       for r in (0, 1)]
+    for d in kept:  # and whole as a user opens them, into a LeNet of their own
+        check_opens(d, ranks=(0, 1))
 
     # The command it printed continues the run; then the run's local Ray node dies under it (the
     # kernel's OOM killer sends SIGKILL): one line, exit 1, run.json failed, Ray's logs kept.

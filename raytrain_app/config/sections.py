@@ -51,8 +51,8 @@ class ModelConfig(BuilderSection):
 
 
 class DataConfig(BuilderSection):
-    name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | csv | synthetic | '
-                                                'text | "pkg.module:build"')
+    name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | csv | '
+                                                'synthetic | text | "pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder (see Datasets)")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share for datasets without a test split")
     split_seed: int = Field(0, description="that split is fixed by this seed")
