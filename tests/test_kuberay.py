@@ -320,7 +320,7 @@ def test_the_rayjob_brings_raytrain_app_from_the_profiles_storage(tmp_path):
         top = {name.split("/")[0] for name in names}
         assert top == {os.path.basename(key)[:-len(".zip")]}  # one folder, which Ray drops when it unpacks
         inside = {name.split("/", 1)[1] for name in names}
-        assert "raytrain_app/launch/job_entry.py" in inside and "pathspec/__init__.py" in inside
+        assert "raytrain_app/cli/job_entry.py" in inside and "pathspec/__init__.py" in inside
         assert not [n for n in inside if "__pycache__" in n or n.endswith(".pyc")]
         metadata = z.read(f"{top.pop()}/raytrain_app-0.1.0.dist-info/METADATA").decode()
         assert "Name: raytrain-app" in metadata and "Version: 0.1.0" in metadata
