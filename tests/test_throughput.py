@@ -177,6 +177,7 @@ def test_compiled_model_trains_like_the_eager_one():
     loader, _ = train_loader(data, 64, 0, 1, 0, 0, False)
     batches = [b for b, _ in zip(loader, range(5))]
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # which reset() keeps: an earlier test's compiles in this process
     eager = _trained(_mlp(data), batches, "off")
     assert torch._dynamo.utils.counters["frames"]["ok"] == 0
     compiled = _trained(_mlp(data), batches, "default")
