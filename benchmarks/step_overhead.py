@@ -2,7 +2,9 @@
 
 Both run in this one process, on the same model, data, batch size and precision, alternating
 epoch by epoch so that machine noise hits both alike; the ratio of their median step times is
-the cost of the loop's machinery (DistributedSampler, DataLoader, metric sums, LR schedule).
+the cost of the loop's machinery (DistributedSampler, DataLoader, metric sums, LR schedule,
+the heartbeat's phase marks). The loop also runs without its heartbeat, in turn with the other
+two: the ratio of those two is what the hang watch's progress signal costs a step.
 
     python benchmarks/step_overhead.py                       # CPU, LeNet, fp32
     python benchmarks/step_overhead.py --model resnet18 --device cuda --precision bf16 --batch 512
@@ -31,6 +33,7 @@ from raytrain_app.data import build_datasets, keep_on_device, to_device, train_l
 from raytrain_app.models import build_model
 from raytrain_app.tasks import build_task
 from raytrain_app.tasks.custom import CustomStep
+from raytrain_app.worker.heartbeat import Heartbeat
 from raytrain_app.worker.loop import Precision, Step, seed_everything, train_epoch
 from raytrain_app.worker.nonfinite import LossCheck
 from raytrain_app.worker.optim import build_optimizer, build_schedule
@@ -83,9 +86,12 @@ def main() -> None:
     step = Step(step_model, precision, device=device, memory_format=fmt, cuda_graphs=graphs,
                 loss_check=LossCheck(device), task=task)
 
-    def run_ours(epoch: int) -> None:
+    # Beats as a worker sends them, every 2 s from a thread of their own, here to nowhere.
+    heartbeat = Heartbeat(0, "bench", lambda beat: None).start()
+
+    def run_ours(epoch: int, beats: Heartbeat = heartbeat) -> None:
         sampler.set_epoch(epoch)
-        train_epoch(step, loader, state)
+        train_epoch(step, loader, state, heartbeat=beats)
         state.finish_epoch()
 
     # The hand-written loop: index the tensors, normalise, step.
@@ -119,14 +125,19 @@ def main() -> None:
     run_ours(0), run_hand(0)  # warm-up: allocator, kernels, caches
     print(f"{args.model} batch {args.batch} {args.precision} on {args.device}, torch threads "
           f"{torch.get_num_threads()}, {args.steps} steps x {args.rounds} rounds x {args.repeats} repeats")
-    ratios = []
+    ratios, beats = [], []
     for repeat in range(args.repeats):
-        med = alternate({"raytrain-app": run_ours, "hand-written": run_hand}, device, args.steps, args.rounds)
+        med = alternate({"raytrain-app": run_ours, "no heartbeat": lambda epoch: run_ours(epoch, None),
+                         "hand-written": run_hand}, device, args.steps, args.rounds)
         ratios.append(med["raytrain-app"] / med["hand-written"])
+        beats.append(med["raytrain-app"] / med["no heartbeat"])
         print(f"  repeat {repeat + 1}: " + ", ".join(f"{name} {t * 1e3:.2f} ms/step" for name, t in med.items())
-              + f", ratio {ratios[-1]:.3f}")
+              + f", ratio {ratios[-1]:.3f}, heartbeat {beats[-1]:.3f}")
     print(f"  ratio raytrain-app / hand-written: median {statistics.median(ratios):.3f}, "
           f"range {min(ratios):.3f} to {max(ratios):.3f} over {len(ratios)} repeats")
+    print(f"  ratio with / without the heartbeat: median {statistics.median(beats):.4f}, "
+          f"range {min(beats):.4f} to {max(beats):.4f}")
+    heartbeat.stop()
     if args.profile:
         for name, fn in (("raytrain-app", run_ours), ("hand-written", run_hand)):
             print_profile(name, fn, device, args.steps)

@@ -33,17 +33,25 @@ def route_ray_logs(log_file: Optional[str], verbose: bool) -> None:
     ray_logger.setLevel(logging.INFO if verbose or log_file else logging.ERROR)
 
 
-def epoch_line(m: dict, epochs: int) -> str:
-    """One line per epoch; the time split reads "data 2%, comm ~9%": communication is an estimate."""
+def epoch_line(m: dict, epochs: int, nodes: Optional[dict] = None) -> str:
+    """One line per epoch; the time split reads "data 2%, comm ~9%": communication is an estimate.
+    Slow ranks are named last, on their node (`nodes`: rank -> host, as far as the driver knows)."""
     width = len(str(epochs))
     per_worker = f" ({m['samples_per_s_per_worker']:,.0f}/worker)" if m["world_size"] > 1 else ""
     mfu = f", MFU {m['mfu']:.1%}" if "mfu" in m else ""
+    slow = "".join(f" | slow: {slow_rank(s, nodes or {})}" for s in m.get("slow_ranks", ()))
     return (f"epoch {m['epoch']:>{width}}/{epochs} | train_loss {m['train_loss']:.4f} | eval_loss {m['eval_loss']:.4f}"
             f"{''.join(f' | {SHORT.get(name, name)} {text}' for name, text in eval_metrics(m))}"
             f" | {m['samples_per_s']:,.0f} samples/s"
             f"{per_worker}"
             f" | lr {m['lr']:.2e} | {m['epoch_time_s']:.1f}s: data {m['data_wait_frac']:.0%},"
-            f" comm ~{m['comm_frac']:.0%}, compute {m['compute_frac']:.0%}{mfu}")
+            f" comm ~{m['comm_frac']:.0%}, compute {m['compute_frac']:.0%}{mfu}{slow}")
+
+
+def slow_rank(s: dict, nodes: dict) -> str:
+    """"rank 3 on node X: 1.8x the median step, 62% waiting for data"."""
+    where = f" on node {nodes[s['rank']]}" if s["rank"] in nodes else ""
+    return f"rank {s['rank']}{where}: {s['x_median']:.1f}x the median step, {s['data_wait_frac']:.0%} waiting for data"
 
 
 def eval_metrics(m: dict) -> list[tuple[str, str]]:

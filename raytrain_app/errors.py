@@ -7,6 +7,7 @@ pickling across Ray, so a bad label found inside a worker still reads as a user 
 """
 
 import re
+from typing import Optional
 
 
 class UserError(Exception):
@@ -64,12 +65,12 @@ class RestartsSpent(Exception):
     Train does not keep apart itself (`driver/trainer.py`, RestartNotices): the failures, by rank,
     for the driver to word as Ray Train's own."""
 
-    def __init__(self, worker_failures: dict):
-        self.worker_failures = worker_failures
+    def __init__(self, worker_failures: dict, hang: Optional[str] = None):
+        self.worker_failures, self.hang = worker_failures, hang  # the hang that killed a rank, in its words
         super().__init__(f"the restart budget is spent: ranks {', '.join(map(str, sorted(worker_failures)))} failed")
 
     def __reduce__(self):  # across Ray
-        return type(self), (self.worker_failures,)
+        return type(self), (self.worker_failures, self.hang)
 
 
 class RankFailed(Exception):

@@ -40,9 +40,12 @@ def parent(path: str) -> str:
 
 
 def remove(path: str) -> None:
-    """Delete the directory `path` and what it holds, if it exists."""
+    """Delete the file or directory `path` (and what it holds), if it exists."""
     fs, p = filesystem_for(path)
-    if fs.get_file_info(p).type != pafs.FileType.NotFound:
+    kind = fs.get_file_info(p).type
+    if kind == pafs.FileType.File:
+        fs.delete_file(p)
+    elif kind != pafs.FileType.NotFound:
         fs.delete_dir(p)
 
 

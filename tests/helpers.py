@@ -6,6 +6,7 @@ They run inside real Ray Train workers, so what they record goes to files the te
 import math
 import os
 import signal
+import threading
 import time
 from typing import Optional
 
@@ -19,6 +20,7 @@ from torch.utils.data import Dataset
 
 from raytrain_app.config import JobConfig
 from raytrain_app.data import build_datasets
+from raytrain_app.data.arrays import ArrayDataset
 from raytrain_app.data.preprocess import recipe
 from raytrain_app.models import build_model, mlp
 from raytrain_app.worker import checkpoint
@@ -86,21 +88,28 @@ def recorder(out_dir: str, per_process: bool = False, hold: Optional[str] = None
 
 class Paced(nn.Module):
     """A linear classifier whose every training batch sleeps `seconds` first: a long job that holds
-    its workers, as a real one does, without taking the CPUs that the test watching it needs."""
+    its workers, as a real one does, without taking the CPUs that the test watching it needs.
+    With a `rank`, only that rank sleeps: a straggler."""
 
-    def __init__(self, input_shape: tuple, num_classes: int, seconds: float):
+    def __init__(self, input_shape: tuple, num_classes: int, seconds: float, rank: int = -1):
         super().__init__()
-        self.seconds = seconds
+        self.seconds, self.rank = seconds, rank
         self.linear = nn.Linear(math.prod(input_shape), num_classes)
 
     def forward(self, x):
-        if self.training:
+        if self.training and (self.rank < 0 or ray.train.get_context().get_world_rank() == self.rank):
             time.sleep(self.seconds)
         return self.linear(x.flatten(1))
 
 
-def paced(input_shape: tuple, num_classes: int, seconds: float = 0.2) -> nn.Module:
-    return Paced(input_shape, num_classes, seconds)
+def paced(input_shape: tuple, num_classes: int, seconds: float = 0.2, rank: int = -1) -> nn.Module:
+    return Paced(input_shape, num_classes, seconds, rank)
+
+
+def stopped(marker: str) -> None:
+    """Note when a fault began (wall clock), in MARKER.at: what a test times a detection from."""
+    with open(f"{marker}.at", "w") as f:
+        f.write(repr(time.time()))
 
 
 def faulty_recorder(input_shape: tuple, num_classes: int, out_dir: str, marker: str, at: int, rank: int = 1):
@@ -112,7 +121,8 @@ class Fault(nn.Module):
     """Injects a real fault on training forward call `at` of rank `rank`, once (while `marker` exists):
 
     crash: raise an exception; kill: SIGKILL this worker process; stall: sleep for an hour;
-    nan: return NaN outputs (a loss that goes NaN on this rank alone).
+    deadlock: take a lock it holds already (a Python-level deadlock); nan: return NaN outputs (a
+    loss that goes NaN on this rank alone).
     """
 
     def __init__(self, inner: nn.Module, marker: str, at: int, rank: int, fault: str):
@@ -127,10 +137,15 @@ class Fault(nn.Module):
                 if self.fault == "crash":
                     raise RuntimeError("injected crash")
                 os.unlink(self.marker)  # once: the restarted worker must not fault again
+                stopped(self.marker)
                 if self.fault == "nan":
                     return self.inner(x) * float("nan")
                 if self.fault == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if self.fault == "deadlock":
+                    held = threading.Lock()
+                    held.acquire()
+                    held.acquire()
                 time.sleep(3600)
         return self.inner(x)
 
@@ -155,6 +170,30 @@ def augmented_digits(eval_fraction: float, split_seed: int):
     train, eval_ = digits(eval_fraction, split_seed, resize=16)
     train.augment = True
     return train, eval_
+
+
+class Stalling(ArrayDataset):
+    """In-memory data whose rank `rank` stops for an hour at its batch read `at`, once (while
+    `marker` exists): a rank stuck in a data read, as on a dead network filesystem."""
+
+    def __getitems__(self, idx):
+        self.reads += 1
+        if (self.reads == self.at and os.path.exists(self.marker) and torch.distributed.is_initialized()
+                and torch.distributed.get_rank() == self.rank):
+            os.unlink(self.marker)
+            stopped(self.marker)
+            time.sleep(3600)
+        return super().__getitems__(idx)
+
+
+def stalling_digits(marker: str, at: int, rank: int = 1):
+    """The real digits at 28x28, whose training split stalls on rank `rank` (see Stalling)."""
+    from raytrain_app.data.parquet import digits
+
+    train, eval_ = digits(0.2, 0, resize=28)
+    stalling = Stalling.__new__(Stalling)
+    stalling.__dict__.update(train.__dict__, marker=marker, at=at, rank=rank, reads=0)
+    return stalling, eval_
 
 
 class DictDataset(Dataset):

@@ -286,7 +286,7 @@ def test_every_commands_help_ends_with_two_or_three_examples():
     from raytrain_app.cli import main
 
     commands = list(leaf_commands(main))
-    assert len(commands) == 21
+    assert len(commands) == 22
     for command in commands:
         text = CliRunner().invoke(main, [*command, "--help"]).output
         body, _, options = text.partition("\nOptions:")

@@ -116,3 +116,12 @@ def test_a_directory_that_is_no_run_is_named(tmp_path):
         plots.figure([good, str(tmp_path / "empty")])
     with pytest.raises(UserError, match="blank: metrics.jsonl has no rows"):
         plots.figure([run_dir(tmp_path, "blank", [])])
+
+
+def test_each_ranks_step_time_is_a_line_of_its_own(tmp_path):
+    """A run's rows with per-rank times: one line per rank, in milliseconds, labelled with its rank."""
+    rows = [{**row, "rank_step_s": [0.004, 0.004 + 0.01 * row["epoch"], 0.005]} for row in epoch_rows()]
+    ax = panels(plots.figure([run_dir(tmp_path, "run", rows)]))["each rank's ms per step (data + forward)"]
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [
+        pytest.approx([row["rank_step_s"][rank] * 1e3 for row in rows]) for rank in range(3)]
+    assert [text.get_text() for text in ax.texts] == ["0", "1", "2"]

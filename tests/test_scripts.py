@@ -72,6 +72,23 @@ def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environmen
     assert rows == [{"report": 1, "rank_value": 0.5, "name": "rank 0"}]  # numbers averaged, others rank 0's
 
 
+def test_a_hung_rank_of_a_script_is_named_from_its_stack_and_the_group_restarts(tmp_path):
+    """Rank 1 sleeps mid-epoch: its stack stops changing and it prints nothing, while rank 0
+    waits in its backward, for DDP's all-reduce (a collective, not the culprit)."""
+    result, lines = run("examples/torchrun_script/train.py", tmp_path / "run",
+                        ["--epochs", "3", "--hang-at-epoch", "1"],
+                        overrides=["failure.max_failures=1", "failure.hang_timeout_s=10"])
+    [said] = [line for line in lines if " made no progress " in line]
+    found = re.fullmatch(r"warning: hang: rank 1 on node \S+ \(pid \d+\) made no progress for \d+s in script "
+                         r"\(examples/torchrun_script/train\.py:\d+ in main\); every rank's stack in (\S+)", said)
+    assert found, said
+    stacks = open(found.group(1)).read()
+    assert "time.sleep(3600)" in stacks and "rank 0 on node" in stacks and ", backward for " in stacks
+    [restart] = [json.loads(line) for line in (tmp_path / "run" / "restarts.jsonl").read_text().splitlines()]
+    assert restart["kind"] == "hang" and restart["reason"] == said[len("warning: "):]
+    assert [row["epoch"] for row in result.metrics] == [0, 1, 2]
+
+
 def test_a_killed_rank_restarts_the_group_and_the_script_resumes_also_with_resume(tmp_path):
     result, lines = run("examples/torchrun_script/train.py", tmp_path / "run",
                         ["--epochs", "4", "--crash-at-epoch", "2"], overrides=["failure.max_failures=1"])

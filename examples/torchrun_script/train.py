@@ -10,13 +10,15 @@ Accuracy passes 0.8 on the held-out digits in 4 epochs (tests/test_scripts.py ch
 a restart), in about 30 seconds here.
 Under raytrain-app it also reports each epoch (metrics.jsonl) with a rank-0 checkpoint, and
 resumes from the latest one after a restart (--max-failures) or --resume; under torchrun those
-two calls do nothing. --crash-at-epoch N kills rank 1 once at epoch N, to watch a restart.
+two calls do nothing. --crash-at-epoch N kills rank 1 once at epoch N, to watch a restart;
+--hang-at-epoch N stops rank 1 (for an hour) once at epoch N, to watch the hang watch find it.
 """
 
 import argparse
 import os
 import signal
 import tempfile
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -44,6 +46,7 @@ def main():
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--crash-at-epoch", type=int, default=-1)
+    parser.add_argument("--hang-at-epoch", type=int, default=-1)
     args = parser.parse_args()
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -76,6 +79,8 @@ def main():
         for batch, (x, y) in enumerate(loader):
             if (epoch, batch, rank) == (args.crash_at_epoch, len(loader) // 2, 1) and first_attempt:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch, as a lost node would
+            if (epoch, batch, rank) == (args.hang_at_epoch, len(loader) // 2, 1) and first_attempt:
+                time.sleep(3600)  # mid-epoch, as a rank stuck on a dead filesystem would
             x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)

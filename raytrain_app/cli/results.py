@@ -1,4 +1,5 @@
-"""Commands that use a run's results: `evaluate`, `predict`, `export`, `runs`, `report`."""
+"""Commands that use a run's results: `evaluate`, `predict`, `export`, `runs`, `report`, and `stack`
+for a run under way."""
 
 from __future__ import annotations
 
@@ -152,3 +153,21 @@ def report_(run_dirs, output):
         one = len(run_dirs) == 1
         click.echo(plots.write(list(run_dirs), output or (storage.join(run_dirs[0], "report.png") if one else
                                                           "report.png")))
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path())
+def stack(run_dir):
+    """Print every rank's current Python stack, phase and step for a run that is training now,
+    in local mode or on a Ray cluster: what a rank that seems stuck is doing. The run's driver
+    answers from the ranks' heartbeats, within a few seconds.
+
+    \b
+    Examples:
+      raytrain-app stack runs/digits-20261123-101500
+      raytrain-app stack s3://bucket/runs/d1          # a run on a cluster, from any machine
+    """
+    from raytrain_app.rundir import stacks
+
+    with exit_codes():
+        click.echo(stacks.request(run_dir), nl=False)

@@ -244,14 +244,15 @@ def _messages(model: type[BaseModel], error: dict) -> list[tuple[tuple, str]]:
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> Optional[list[str]]:
-    """The field names of the model at `path` inside `model`; None when `path` is no model."""
+    """The field names of the model at `path` inside `model`, as files spell them (a field's
+    alias, where a Python keyword needs one); None when `path` is no model."""
     for part in path:
-        field = model.model_fields.get(str(part))
+        field = next((f for name, f in model.model_fields.items() if (f.alias or name) == str(part)), None)
         annotation = field.annotation if field else None
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         model = annotation
-    return list(model.model_fields)
+    return [field.alias or name for name, field in model.model_fields.items()]
 
 
 def _at(tree: Any, path: Sequence[str], missing: Any) -> Any:

@@ -27,7 +27,7 @@ class Section(BaseModel):
     # Strict: a wrong type is an error, not a guess (no "3" for 3, no 2.5 for an integer, no true
     # for a number); an integer is still a fine float. Frozen: a changed copy goes through
     # `updated`, which validates it again.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, serialize_by_alias=True)
 
 
 Fraction = Annotated[float, Field(ge=0, lt=1)]
@@ -271,6 +271,12 @@ class CheckpointConfig(Section):
                                             "for a task metric (auto: eval_ + the task's first metric)")
     mode: Literal["auto", "max", "min"] = Field("auto", description="auto: max for accuracy, top5, f1_macro and "
                                                                     "r2; min for losses and errors")
+    # `async` in files and --set; a Python keyword, so `async_` as an attribute.
+    async_: bool = Field(False, alias="async", description="the loop pauses only to copy the state to host memory; "
+                                                           "writing, uploading and committing go on in the background, "
+                                                           "one checkpoint at a time (a second copy of the state in "
+                                                           "host memory; on CPU workers the write takes cores from "
+                                                           "the steps)")
 
 
 class WorkerRange(Section):
@@ -384,6 +390,22 @@ class FailureConfig(Section):
                                        description="how long a starting or restarting worker group may wait for the "
                                                    "cluster to place it (over two tries); then the run fails, naming "
                                                    "what is missing (raise it for a cluster that autoscales)")
+    hang_timeout_s: Union[Literal["auto"], float] = Field(
+        "auto", description="a rank that makes no progress this long is hung: every rank's stack goes to "
+                            "RUN_DIR/logs/hang-STEP.txt, the rank that stopped first is named and the group "
+                            "restarts from the latest checkpoint, as a failure (auto: the larger of 60 s and 20x "
+                            "the run's p99 step; 0: off). Compiling, evaluating and checkpointing are not counted")
+    straggler_factor: float = Field(2.0, gt=1, allow_inf_nan=False,
+                                    description="the epoch line names a rank whose time per step outside "
+                                                "collectives (data wait and forward) is this many times the "
+                                                "median rank's")
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _not_negative(cls, v):
+        if v != "auto" and not (0 <= v < float("inf")):
+            raise ValueError("must be auto, 0 (off) or a number of seconds")
+        return v
 
 
 class MlflowConfig(Section):

@@ -30,6 +30,7 @@ from raytrain_app.config.sections import FailureConfig, ScalingConfig
 from raytrain_app.console import Progress, epoch_line, startup_line, startup_phases
 from raytrain_app.data.raydata import read_train
 from raytrain_app.driver import local, placement
+from raytrain_app.driver.hangs import HangWatch, kill_local, kill_on_ray, who
 from raytrain_app.driver.plan import RunPlan
 from raytrain_app.driver.result import Result
 from raytrain_app.driver.signals import handlers_kept, stop_on_usr1
@@ -96,7 +97,8 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
             ray.get_runtime_context().get_node_id(), soft=False)}
         events = sent_to = Queue(actor_options=here)
         restarts = RestartCount.options(**here).remote() if config.script else None
-        stop_flag = None if config.script else StopFlag(**here)
+        # A script reads no stop requests; its flag carries the hang watch's verdicts alone.
+        stop_flag = StopFlag(**here)
     marks = {**(marks or {}), "fit": time.time()}
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=sent_to, progress=progress,
                       log_dir=storage.join(plan.run_dir, "logs"),
@@ -107,19 +109,24 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
                       # come from its preemption watcher, which a one-machine cluster runs without
                       # (cluster/session.py); local mode has no Ray cluster at all.
                       notices=not plan.local and os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1") != "0",
-                      stop_flag=stop_flag)
+                      stop_flag=None if config.script else stop_flag)
+    hangs = HangWatch(config.failure.hang_timeout_s, plan.run_dir,
+                      _hang_killer(plan.local, plan.local and in_process, stop_flag, plan.run_dir),
+                      lambda line: echo(f"warning: {line}"))
     # In local mode no Ray Train controller calls `callbacks`: the listener hands them each epoch's report.
     listener = EventListener(events, history, Progress(progress), config.train.epochs, echo, marks, plan.run_dir,
-                             callbacks if plan.local else ())
+                             callbacks if plan.local else (), hangs)
     listener.start()
+    hangs.start()
     try:
         try:
-            with stop_on_usr1(stop_flag, echo):
+            with stop_on_usr1(args.stop_flag, echo):
                 if plan.local:
                     final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
                 else:
-                    final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks)
+                    final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks, stop_flag)
         finally:
+            hangs.stop()
             if stop_flag is not None:
                 stop_flag.close()  # its actor, or its folder: however the run ended
         if listener.nonfinite:  # the workers agreed to stop early: the run did not finish
@@ -153,11 +160,12 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
 
 
 def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "EventListener",
-                history: rundir.MetricsLog, callbacks: Sequence[UserCallback]) -> Optional[str]:
+                history: rundir.MetricsLog, callbacks: Sequence[UserCallback], flag: StopFlag) -> Optional[str]:
     """Ray Train runs the loop on the cluster's workers; returns the final checkpoint's URI. The
-    listener and the actors the workers report to end with it, however it ends."""
+    listener and the actors the workers report to end with it, however it ends. `flag` carries
+    the hang watch's verdicts to Ray Train's controller (and, but for a script, stop requests)."""
     try:
-        result = _fit(_trainer(args, config, run_dir, history, callbacks), config, run_dir,
+        result = _fit(_trainer(args, config, run_dir, history, callbacks, flag), config, run_dir,
                       placement.RoomWatch(config, run_dir, listener.echo))
     finally:
         listener.stop()
@@ -168,8 +176,8 @@ def _fit_on_ray(args: WorkerArgs, config: JobConfig, run_dir: str, listener: "Ev
 
 
 def _trainer(args: WorkerArgs, config: JobConfig, run_dir: str, history: rundir.MetricsLog,
-             callbacks: Sequence[UserCallback]) -> TorchTrainer:
-    callbacks = [RestartNotices(args.events, run_dir, config.failure, args.restarts), *callbacks]
+             callbacks: Sequence[UserCallback], flag: StopFlag) -> TorchTrainer:
+    callbacks = [RestartNotices(args.events, run_dir, config.failure, args.restarts, flag), *callbacks]
     if config.script:
         callbacks.append(ScriptReports(args.events, run_dir, reported=len(history.rows())))  # --resume continues
     return torch_trainer(
@@ -193,13 +201,20 @@ def _fit_locally(args: WorkerArgs, config: JobConfig, run_dir: str, log_dir: str
                  echo, in_process: bool) -> Optional[str]:
     """Ray Train's local mode runs the loop here (see `local.py`); returns the final checkpoint's URI."""
     def restarting(why: str, line: str) -> None:
-        echo(f"warning: {line}")
-        rundir.record_restart(run_dir, "restart", why)
+        listener.hangs.reset()
+        hang = listener.hangs.take_verdict()  # the rank the watch killed: what the launcher saw die
+        echo(f"warning: {line.replace(why, who(hang), 1) if hang else line}")
+        rundir.record_restart(run_dir, "hang" if hang else "restart", hang or why)
 
     try:
         local.run(args, config, log_dir, lambda: snapshot.latest(run_dir), restarting, in_process)
     except CheckpointNotWritten as e:
         raise TrainingFailed(_unwritten(e, run_dir)) from None
+    except TrainingFailed:
+        hang = listener.hangs.take_verdict()  # the last restart's budget was spent on it
+        if hang:
+            raise TrainingFailed(hang) from None
+        raise
     finally:
         listener.stop()
         if isinstance(listener.events, local.Inbox):
@@ -229,6 +244,34 @@ def _fit(trainer: TorchTrainer, config: JobConfig, run_dir: str, watch: placemen
         raise
     finally:
         watch.stop()
+
+
+def _hang_killer(local_mode: bool, in_process: bool, stop_flag, run_dir: str):
+    """How the hang watch ends a hung rank: a local process by its pid, a Ray Train worker by a
+    task on its node (after telling Ray Train's controller, through the stop flag's actor, that
+    the restart is a hang's). The one worker of a one-worker local run is this process itself:
+    the run ends, as it says, and `--resume` continues it."""
+    if in_process:
+        def end_here(beat: dict, line: str) -> None:
+            import sys
+
+            message = "the one worker runs in this process, which cannot restart it: `--resume` continues the run"
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            with suppress(Exception):
+                rundir.record_status(run_dir, "failed", message)
+            os._exit(1)
+
+        return end_here
+    if local_mode:
+        return lambda beat, line: kill_local(beat)
+
+    def kill(beat: dict, line: str) -> None:
+        if stop_flag is not None:
+            with suppress(Exception):  # a verdict that cannot be told is a plain restart
+                stop_flag.hung(line)
+        kill_on_ray(beat)
+
+    return kill
 
 
 def failure_config(config: JobConfig) -> ray.train.FailureConfig:
@@ -294,13 +337,14 @@ def shipped_working_dir() -> bool:
 
 
 class EventListener(threading.Thread):
-    """Drains rank 0's events while fit() blocks the main thread."""
+    """Drains rank 0's events, and every rank's heartbeat for the `hangs` watch, while fit()
+    blocks the main thread."""
 
     def __init__(self, events: Queue, log: rundir.MetricsLog, progress: Progress, epochs: int, echo, marks: dict,
-                 run_dir: str, callbacks: Sequence[UserCallback] = ()):
+                 run_dir: str, callbacks: Sequence[UserCallback] = (), hangs: Optional[HangWatch] = None):
         super().__init__(daemon=True)
         self.events, self.log, self.progress, self.epochs, self.echo = events, log, progress, epochs, echo
-        self.marks, self.run_dir, self.callbacks = marks, run_dir, callbacks
+        self.marks, self.run_dir, self.callbacks, self.hangs = marks, run_dir, callbacks, hangs
         self.world_size: Optional[int] = None  # the group's, as its rank 0 last said
         self.nonfinite: Optional[dict] = None  # where the workers stopped at a non-finite loss
         self.stopped_early: Optional[str] = None  # why train.early_stopping ended the run
@@ -327,6 +371,14 @@ class EventListener(threading.Thread):
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "wake":  # from `stop`
+            return
+        if kind == "beat":
+            if self.hangs:
+                self.hangs.beat(payload)
+            return
+        if kind == "ended":  # Ray Train's controller saw the group fail: its ranks' beats stop meaning anything
+            if self.hangs:
+                self.hangs.reset()
             return
         if kind == "progress":
             self.progress.update(*payload)
@@ -360,7 +412,7 @@ class EventListener(threading.Thread):
             self.echo(payload)
         elif kind == "epoch":
             self.log.add(payload)
-            self.echo(epoch_line(payload, self.epochs))
+            self.echo(epoch_line(payload, self.epochs, self.hangs.nodes() if self.hangs else None))
             for callback in self.callbacks:
                 callback.after_report(None, [payload], None)
         elif kind == "stopped":
@@ -388,8 +440,8 @@ class RestartNotices(UserCallback):
     words it as it words Ray Train's own).
     """
 
-    def __init__(self, events: Queue, run_dir: str, failure: FailureConfig, restarts=None):
-        self.events, self.run_dir = events, run_dir
+    def __init__(self, events: Queue, run_dir: str, failure: FailureConfig, restarts=None, stop_flag=None):
+        self.events, self.run_dir, self.stop_flag = events, run_dir, stop_flag
         self.budgets = {"restart": failure.max_failures, "preemption": failure.max_preemption_failures}
         self.grace_ms = failure.preemption_grace_s * 1000
         self.restarts = restarts  # a script run's RestartCount
@@ -403,11 +455,15 @@ class RestartNotices(UserCallback):
         self.answered = metrics[0].get(preemption.ANSWERED) or self.answered
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        self.events.put(("ended", None))
         # A rank whose process died is the cause; the others' broken collectives are the effect.
         died = [r for r, e in worker_exceptions.items() if process_died(e)]
         rank = min(died or worker_exceptions)
         what = describe_rank(rank, worker_exceptions[rank])
+        hang = self.stop_flag.take_hang() if self.stop_flag is not None else None
         then = f"restarting from {self.latest or 'the start'}"
+        if hang:  # the driver's hang watch killed the rank (and said why): a failure, said as the hang it was
+            what = who(hang)
         if any(_preempted_by_ray(e) for e in worker_exceptions.values()):  # Ray Train counts it itself
             kind, said = "preemption", f"its node was preempted: {then}"
         else:
@@ -416,13 +472,13 @@ class RestartNotices(UserCallback):
             self.spent[kind] += 1
             budget = self.budgets[kind]
             if budget != -1 and self.spent[kind] > budget:
-                raise RestartsSpent(worker_exceptions)
+                raise RestartsSpent(worker_exceptions, hang)
             drained = "its node was being drained (a preemption); " if kind == "preemption" else ""
             said = f"{drained}{then} ({kind} {self.spent[kind]} of {'unlimited' if budget == -1 else budget})"
         if self.restarts is not None:
             self.restarts.add.remote()
         self.events.put(("notice", f"{what}; {said}"))
-        rundir.record_restart(self.run_dir, kind, what)
+        rundir.record_restart(self.run_dir, "hang" if hang and kind == "restart" else kind, hang or what)
 
     def _drained(self, died: list[int]) -> bool:
         """The ranks died within the notice the workers answered: before its deadline (and grace),
@@ -501,6 +557,8 @@ def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,
                     run_dir: Optional[str] = None) -> Exception:
     """One clause per failed rank: where it ran and its last error line, not Ray's nested tracebacks."""
     spent = getattr(error, "controller_failure", None)  # RestartNotices ended the run: the failures that did
+    if isinstance(spent, RestartsSpent) and spent.hang:
+        return TrainingFailed(spent.hang)
     failures = (spent.worker_failures if isinstance(spent, RestartsSpent) else getattr(error, "worker_failures", None)
                 or {})
     if failures and all(isinstance(e, UserError) for e in failures.values()):

@@ -9,3 +9,5 @@ POSITION = "checkpoint.json"  # in each checkpoint: its epoch, step and batch (w
 STATE_FILE = "state.pt"  # in each checkpoint: rank 0's state, which every checkpoint of the built-in loop holds
 SHARDS = "shards"  # in a sharded run's checkpoint: the DCP directory of its weights and optimizer state
 COMPILE_CACHE = "compile_cache.bin"  # torch.compile's portable cache, rank 0's (worker/compile_cache.py)
+STACK_REQUEST = "logs/stack-request"  # `raytrain-app stack` asks the live run's driver for every rank's stack
+STACKS = "logs/stacks.txt"  # the driver's answer, naming the request it answers on its first line

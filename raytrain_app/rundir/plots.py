@@ -133,6 +133,8 @@ def _panels(runs: list[Run]) -> tuple[list[tuple[str, Callable[[Axes], None]]], 
     curves("samples/s", [("samples_per_s", "global", "-"), ("samples_per_s_per_worker", "per worker", ":")])
     if "compute_frac" in keys:
         panels.append(("time split", lambda ax: _time_split(ax, runs, index)))
+    if "rank_step_s" in keys:
+        panels.append(("each rank's ms per step (data + forward)", lambda ax: _ranks(ax, runs, index)))
     if "time" in keys:
         panels.append(("progress over time", lambda ax: _progress(ax, runs, index)))
     scripts = [run for run in runs if "report" in run.rows[0]]
@@ -186,6 +188,24 @@ def _time_split(ax: Axes, runs: list[Run], index: str) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(index)
     ax.legend(loc="upper center", ncols=len(TIME_SPLIT), fontsize="small")
+
+
+def _ranks(ax: Axes, runs: list[Run], index: str) -> None:
+    """A line per rank in its run's colour, labelled at its end: a straggler stands above the rest
+    (its own work per step, which no collective evens out; see worker/metrics.per_rank)."""
+    from matplotlib.ticker import MaxNLocator
+
+    for run in runs:
+        rows = [row for row in run.rows if isinstance(row.get("rank_step_s"), list)]
+        for rank in range(max((len(row["rank_step_s"]) for row in rows), default=0)):
+            have = [row for row in rows if rank < len(row["rank_step_s"])]
+            xs, ys = [_index(row) for row in have], [row["rank_step_s"][rank] * 1e3 for row in have]
+            ax.plot(xs, ys, "-", marker=".", markersize=3, linewidth=0.8, color=run.color)
+            ax.annotate(str(rank), (xs[-1], ys[-1]), fontsize="x-small", color=run.color,
+                        xytext=(3, 0), textcoords="offset points", va="center")
+    ax.set_xlabel(index)
+    ax.set_ylabel("ms")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _progress(ax: Axes, runs: list[Run], index: str) -> None:

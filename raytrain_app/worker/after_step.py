@@ -3,6 +3,9 @@
 After a step: the start-up breakdown at a fresh run's first step, the trackers' step point, a
 mid-epoch checkpoint every `checkpoint.every_steps` steps, and the answer to a preemption notice
 or a stop request (`preemption.py`): a checkpoint at the step the loop is at.
+
+With `checkpoint.async`, checkpoints are written in the background (`Background`): the loop
+pauses only while the state is copied to host memory.
 """
 
 from __future__ import annotations
@@ -10,12 +13,17 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
-from contextlib import suppress
-from typing import Optional
+from concurrent.futures import Future
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from typing import Callable, Optional
 
 import ray.train
+import torch
 
 from raytrain_app.config import JobConfig
 from raytrain_app.console import startup_phases
@@ -23,6 +31,7 @@ from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint, preemption
 from raytrain_app.worker.compile_cache import CompileCache, give_way
+from raytrain_app.worker.heartbeat import CHECKPOINT
 from raytrain_app.worker.nonfinite import LossCheck
 from raytrain_app.worker.preemption import PreemptionCheck
 from raytrain_app.worker.rank import Worker
@@ -47,6 +56,7 @@ class AfterStep:
         self.answering: dict = {}  # the Ray Train notice the next checkpoint answers (preemption.answered)
         self.first = True  # this group's first step: benchmarks/preemption.py times a resize to it
         self.stop_after_epoch: Optional[dict] = None  # where a stop request came, at the epoch's last step
+        self.background = Background(worker) if job.checkpoint.async_ else None  # checkpoint.async's writer
 
     def __call__(self, state: TrainState, last_in_epoch: bool) -> None:
         if state.step == 1:
@@ -70,9 +80,11 @@ class AfterStep:
             self.trackers.sync()  # the curves up to here first: a restart from this checkpoint keeps them
             # Never "best" by its score: a mid-epoch checkpoint is kept only while it is the latest.
             c = self.job.checkpoint
+            if self.worker.heartbeat:  # its write, or the wait for the one before, has its own bound
+                self.worker.heartbeat.at(CHECKPOINT)
             report_to_ray({"epoch": state.epoch, "step": state.step, "batch": state.batch, "mid_epoch": True,
                            c.metric: checkpoint.WORST_SCORE[c.mode], **self.answer()}, state, self.worker,
-                          self.about)
+                          self.about, self.background, urgent=bool(notice))
         if notice and not last_in_epoch:  # (at an epoch's end, the epoch's own checkpoint follows)
             self.report.info("notice answered: the checkpoint at step %d is written", state.step)
         if isinstance(notice, preemption.Stop):
@@ -86,30 +98,151 @@ class AfterStep:
         answering, self.answering = self.answering, {}
         return answering
 
+    def close(self) -> None:
+        """Called as the loop ends, however it ends: the checkpoint still being written (the run's
+        last, most often) is finished before this rank does. Its write error is raised unless the
+        loop is already failing with one of its own, which it must not hide."""
+        if self.background:
+            self.background.close(raise_error=sys.exc_info()[0] is None)
 
-def report_to_ray(metrics: dict, state: TrainState, w: Worker, about: Optional[dict]) -> None:
+
+def report_to_ray(metrics: dict, state: TrainState, w: Worker, about: Optional[dict],
+                  background: Optional["Background"] = None, urgent: bool = False) -> None:
     """Report to Ray Train, with a checkpoint of `state` (and `about` it) when `about` is given:
     every rank writes its part into a fresh directory; Ray merges them into the run's checkpoint
     (in local mode, `checkpoint.commit` does). A write that fails (a full disk) is said as such,
-    with the space left, not as Ray's copy error."""
+    with the space left, not as Ray's copy error. With `background` (`checkpoint.async`) the files
+    are written while the loop goes on; an `urgent` checkpoint (a notice's, whose node may soon
+    go) is waited for all the same."""
+    if background:
+        background.report(metrics, state, about)
+        if urgent:
+            background.wait()
+        return
     if about is None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as directory:
-        try:
-            checkpoint.save(directory, w.rank, state, about)
-        except OSError as e:
-            raise CheckpointNotWritten(state.step, f"this worker's staging folder {directory}",
-                                       _write_error(e, directory)) from None
-        if w.rank == 0:  # the checkpoint wins the disk over the compile cache's archive
-            give_way(w.run_dir, directory, w.report.warn)
-        try:
+        _stage(w, state.step, directory, lambda: checkpoint.save(directory, w.rank, state, about))
+        with _unwritten(state.step, w.run_dir):
             if w.local:
                 checkpoint.commit(directory, w.run_dir, w.rank, metrics, w.job.checkpoint, w.device)
             else:
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-        except OSError as e:
-            raise CheckpointNotWritten(state.step, w.run_dir, _write_error(e, w.run_dir)) from None
+
+
+class Background:
+    """Checkpoints written while the loop trains on (`checkpoint.async`).
+
+    The loop pauses only to take a `checkpoint.Snapshot`: a copy of the state in host memory.
+    Serialising, hashing, writing and committing it happen on another thread. In local mode that
+    is a thread of this class's, which commits as Ray Train's controller would
+    (`checkpoint.commit`); on Ray it is Ray Train's own upload thread
+    (`report(checkpoint_upload_mode=ASYNC)`, whose `checkpoint_upload_fn` writes the files before
+    uploading them), after which the controller registers the checkpoint.
+
+    Either way a checkpoint becomes the run's latest only once whole and committed, so a process
+    killed mid-write leaves the one before as the latest. One checkpoint is in flight at a time:
+    the next report waits for it (and reuses its host memory), and so does `close`. A local write
+    that failed raises its CheckpointNotWritten at the next of those; on Ray, Ray Train raises it
+    at once, in the worker, and ends the group."""
+
+    def __init__(self, w: Worker):
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.w = w
+        # Host memory for one copy of the state, pinned for a GPU's copies, reused by every snapshot.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=w.device.type == "cuda", use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+        # The background's collectives (commit's vote, DCP's save plan) on a Gloo group of their own:
+        # on the loop's group, two threads' collectives could meet in a different order on each rank.
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=w.job.scaling.timeout_s))
+                      if dist.is_available() and dist.is_initialized() else None)
+        self.staging = tempfile.mkdtemp(prefix="raytrain-checkpoints-")  # each snapshot's files, until committed
+        self.in_flight: Optional[Future] = None
+
+    def report(self, metrics: dict, state: TrainState, about: Optional[dict]) -> None:
+        """As `report_to_ray`, the files written in the background."""
+        # On Ray, reports reach the controller in order: a plain one behind an upload under way
+        # would wait for it, unless it goes through Ray Train's upload thread too.
+        upload = {} if self.w.local else {"checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC}
+        if about is None:
+            ray.train.report(metrics, **upload)
+            return
+        self.wait()  # one in flight: the snapshot reuses its host memory
+        snapshot = checkpoint.Snapshot(tempfile.mkdtemp(dir=self.staging), self.w.rank, state, about, self.stager,
+                                       self.group)
+        done = self.in_flight = Future()
+        if self.w.local:
+            threading.Thread(target=self._commit, args=(snapshot, metrics, done), name="checkpoint",
+                             daemon=True).start()  # never what keeps a failing process alive: `close` joins it
+        else:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(snapshot.directory),
+                             checkpoint_upload_fn=lambda staged, name: self._upload(snapshot, done, staged, name),
+                             **upload)
+
+    def wait(self) -> None:
+        """Until the checkpoint in flight, if any, is committed; raises its write error."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight:
+            in_flight.result()
+
+    def close(self, raise_error: bool) -> None:
+        """Waits for the checkpoint in flight (raising its write error if `raise_error`), then
+        frees the host copy and the staging folder."""
+        try:
+            self.wait()
+        except Exception:
+            if raise_error:
+                raise
+        finally:
+            self.stager.close()
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _commit(self, snapshot: checkpoint.Snapshot, metrics: dict, done: Future) -> None:
+        """Local mode, on the background thread: the files, then what Ray Train's controller does."""
+        try:
+            _stage(self.w, snapshot.step, snapshot.directory, snapshot.write)
+            with _unwritten(snapshot.step, self.w.run_dir):
+                checkpoint.commit(snapshot.directory, self.w.run_dir, self.w.rank, metrics, self.w.job.checkpoint,
+                                  torch.device("cpu"), self.group)
+            done.set_result(None)
+        except BaseException as e:  # the loop's next wait raises it
+            done.set_exception(e)
+        finally:
+            shutil.rmtree(snapshot.directory, ignore_errors=True)
+
+    def _upload(self, snapshot: checkpoint.Snapshot, done: Future, staged: ray.train.Checkpoint,
+                name: str) -> ray.train.Checkpoint:
+        """On Ray, Ray Train's upload thread calls this for the checkpoint directory `name`: the
+        files, then the upload Ray Train would make (it deletes the staged files after). A failure
+        is raised to Ray Train, which may retry it, or fails the worker with it: the loop waits
+        only for a success."""
+        _stage(self.w, snapshot.step, snapshot.directory, snapshot.write)
+        with _unwritten(snapshot.step, self.w.run_dir):
+            persisted = ray.train.get_context().get_storage().persist_current_checkpoint(staged, name)
+        done.set_result(None)
+        return persisted
+
+
+def _stage(w: Worker, step: int, directory: str, write: Callable[[], None]) -> None:
+    """`write` a checkpoint's files into the staging `directory`; then rank 0's checkpoint wins
+    the disk over the compile cache's archive."""
+    with _unwritten(step, f"this worker's staging folder {directory}", directory):
+        write()
+    if w.rank == 0:
+        give_way(w.run_dir, directory, w.report.warn)
+
+
+@contextmanager
+def _unwritten(step: int, where: str, path: Optional[str] = None):
+    """An OSError (a full disk, a store refusing a write) as CheckpointNotWritten: the step's
+    checkpoint, `where` it was going (`path` on disk, the run directory by default), and why."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointNotWritten(step, where, _write_error(e, path or where)) from None
 
 
 def _write_error(e: OSError, where: str) -> str:

@@ -12,6 +12,10 @@ run resumes at another world size, and `load_state` consolidates them on one pro
 Safety: each file is written under a temporary name and renamed, with a `.sha256` beside it, so
 a partial or corrupted checkpoint is detected on restore and skipped in favour of the previous
 good one. Everything is loaded with `weights_only=True`, so a checkpoint cannot run code.
+
+`save` writes at once. A `Snapshot` (`checkpoint.async`) is the same checkpoint taken in two
+parts: a copy of the state in host memory, taken between two steps, and the files written from
+that copy later, by another thread, while training goes on (see `after_step.Background`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import posixpath
 import re
 import sys
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import pyarrow.fs as pafs
@@ -50,28 +55,80 @@ def save(directory: str, rank: int, state: TrainState, about: dict) -> None:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(state.sharded_state_dict(), checkpoint_id=os.path.join(directory, SHARDS))
-        for name in _listing(directory):  # this rank's files (its own directory); checksums as for the others
-            _write_checksum(os.path.join(directory, name))
-    if rank == 0:
-        _write(directory, STATE_FILE, {**state.state_dict(), **about})
-        # Where in training it was taken, readable without torch: which checkpoint is best needs only this.
-        rundir.write_position(directory, state.epoch, state.step, state.batch)
-    _write(directory, f"rank{rank}.pt", state.rank_state_dict())
+    _write_parts(directory, rank, _parts(rank, state, about), _position(state))
 
 
-def commit(staged: str, run_dir: str, rank: int, metrics: dict, c: CheckpointConfig, device: torch.device) -> None:
+class Snapshot:
+    """A checkpoint of `state` at the step the loop is at, whose files are written later, from
+    another thread, while the loop trains on (`checkpoint.async`).
+
+    Taking it copies everything `save` writes into host memory with `stager` (a
+    `torch.distributed.checkpoint.staging.DefaultStager`, whose buffers the next snapshot reuses):
+    a deep copy, so the steps that follow cannot change what is written, and the checkpoint is
+    bitwise the one `save` would have written at this step. Sharded weights and optimizer state
+    go through DCP's own `async_save`, which copies them the same way and writes them on a
+    thread of its own, its collectives on `group` (a Gloo group apart from the loop's: two
+    threads' collectives on one group could interleave differently on each rank)."""
+
+    def __init__(self, directory: str, rank: int, state: TrainState, about: dict, stager, group=None):
+        self.directory, self.rank, self.step, self.position = directory, rank, state.step, _position(state)
+        self.parts = stager.stage(_parts(rank, state, about))
+        self.shards: Optional[Future] = None
+        if state.sharded:
+            import torch.distributed.checkpoint as dcp
+
+            self.shards = dcp.async_save(state.sharded_state_dict(), checkpoint_id=os.path.join(directory, SHARDS),
+                                         process_group=group, async_stager=stager)
+
+    def write(self) -> None:
+        """The files, from the copy: what `save` writes, into `directory`."""
+        if self.shards:
+            self.shards.result()
+        _write_parts(self.directory, self.rank, self.parts, self.position)
+
+
+def _parts(rank: int, state: TrainState, about: dict) -> dict:
+    """The files besides DCP's shards, by name: rank 0's shared state, and this rank's own."""
+    shared = {STATE_FILE: {**state.state_dict(), **about}} if rank == 0 else {}
+    return {**shared, f"rank{rank}.pt": state.rank_state_dict()}
+
+
+def _position(state: TrainState) -> tuple[int, int, int]:
+    return state.epoch, state.step, state.batch
+
+
+def _write_parts(directory: str, rank: int, parts: dict, position: tuple[int, int, int]) -> None:
+    for name in _listing(directory):  # this rank's shards (its own directory); checksums as for the others
+        _write_checksum(os.path.join(directory, name))
+    for name, obj in parts.items():
+        _write(directory, name, obj)
+    if rank == 0:  # where in training it was taken, readable without torch: which checkpoint is best needs only this
+        rundir.write_position(directory, *position)
+
+
+def commit(staged: str, run_dir: str, rank: int, metrics: dict, c: CheckpointConfig, device: torch.device,
+           group=None) -> None:
     """Local mode's part of what Ray Train does with a reported checkpoint: every rank copies its
     staged files into one new directory of the run (named, as Ray names them, by rank 0's clock),
-    and once all have, rank 0 indexes it and drops the worst past `checkpoint.keep`."""
+    and once all have, rank 0 indexes it and drops the worst past `checkpoint.keep`. Until then
+    the run's latest checkpoint is the one before: a rank killed mid-copy leaves an unindexed
+    directory, which `rundir.remove_partial` clears. The collectives go over `group` (default:
+    the loop's), on `device`."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     name = [datetime.datetime.now().strftime("checkpoint_%Y-%m-%d_%H-%M-%S.%f")]
     if distributed:
-        dist.broadcast_object_list(name, src=0, device=device if device.type == "cuda" else None)
-    storage.upload(staged, storage.join(run_dir, name[0]))
-    if _everywhere(True, device) and rank == 0:  # a barrier: every rank's part is in
+        dist.broadcast_object_list(name, src=0, group=group, device=device if device.type == "cuda" else None)
+    failed: Optional[OSError] = None
+    try:
+        storage.upload(staged, storage.join(run_dir, name[0]))
+    except OSError as e:
+        failed = e  # said after the vote: the other ranks learn that the checkpoint is not whole, and go on
+    if _everywhere(failed is None, device, group) and rank == 0:
         snapshot.add(run_dir, name[0], metrics, c.metric, c.mode, c.keep)
+    if failed:
+        raise failed
 
 
 def restore_latest_good(latest, state: TrainState, rank: int, device: torch.device, run_dir: str,
@@ -107,14 +164,14 @@ def restore_latest_good(latest, state: TrainState, rank: int, device: torch.devi
     raise RuntimeError(f"no usable checkpoint: every checkpoint in {run_dir} is damaged")
 
 
-def _everywhere(ok: bool, device: torch.device) -> bool:
-    """Whether `ok` holds on every rank (alone: whether it holds here)."""
+def _everywhere(ok: bool, device: torch.device, group=None) -> bool:
+    """Whether `ok` holds on every rank of `group` (alone: whether it holds here)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return ok
     flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 

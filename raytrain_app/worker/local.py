@@ -30,22 +30,27 @@ from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
 
 
 class Outbox:
-    """Rank 0's end of the driver's event inbox: the `put` a Ray queue has. Opened on first use,
-    so only the rank that sends connects."""
+    """A rank's end of the driver's event inbox: the `put` a Ray queue has. Opened on first use;
+    the loop's thread and the heartbeat's send on it, one at a time."""
 
     def __init__(self, address: tuple[str, int], authkey: bytes):
         self.address, self.authkey = address, authkey
         self._connection = None
+        self._sending = threading.Lock()
 
     def put(self, item) -> None:
-        if self._connection is None:
-            self._connection = Client(self.address, authkey=self.authkey)
-        self._connection.send(item)
+        with self._sending:
+            if self._connection is None:
+                self._connection = Client(self.address, authkey=self.authkey)
+            self._connection.send(item)
 
     put_nowait = put  # a send does not wait for the driver to read it
 
     def __getstate__(self) -> dict:
-        return {"address": self.address, "authkey": self.authkey, "_connection": None}
+        return {"address": self.address, "authkey": self.authkey}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["address"], state["authkey"])
 
 
 def train(args: WorkerArgs) -> None:

@@ -53,6 +53,17 @@ from raytrain_app.worker import checkpoint, preemption
 from raytrain_app.worker.after_step import AfterStep, report_to_ray
 from raytrain_app.worker.compile_cache import CompileCache
 from raytrain_app.worker.early_stopping import EarlyStopping
+from raytrain_app.worker.heartbeat import (
+    AFTER_STEP,
+    BACKWARD,
+    CHECKPOINT,
+    COMPILE,
+    DATA,
+    EVAL,
+    FORWARD,
+    OPTIMIZER,
+    Heartbeat,
+)
 from raytrain_app.worker.memory import check_state_fits_gpu, shard_group
 from raytrain_app.worker.metrics import EpochMetrics, Sums, Totals
 from raytrain_app.worker.nonfinite import LossCheck, NonFiniteLoss
@@ -94,12 +105,15 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     report = Reporter(args.events, rank, args.log_dir, args.progress)
     node = args.node or (socket.gethostname() if args.local else ray.get_runtime_context().get_node_id())
     report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
+    heartbeat = Heartbeat(rank, node, report.beat).start()
     try:
         _run(Worker(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
-                    {**(args.marks or {}), "loop": entered}, args.local, args.notices, args.stop_flag))
+                    {**(args.marks or {}), "loop": entered}, args.local, args.notices, args.stop_flag, heartbeat))
     except BaseException:
         report.failed()
         raise
+    finally:
+        heartbeat.stop()
     report.sync()
 
 
@@ -152,7 +166,7 @@ def _run(w: Worker) -> None:
                        comm_hook=parallel.comm_hook)
     step = Step(parallel.train_model, precision, task, batches.accum_steps, tc.grad_clip, device,
                 parallel.memory_format, parallel.cuda_graphs, LossCheck(device, tc.stop_on_nonfinite),
-                samples_per_batch=batches.batch_size * world_size)
+                samples_per_batch=batches.batch_size * world_size, compiled=tc.compile != "off")
     epoch_metrics = EpochMetrics(parallel.model, data.input_shape, tc.precision, device, world_size,
                                  parallel.sent_per_step())
     # What each checkpoint holds besides the state: the config, what the model was built for and
@@ -193,24 +207,31 @@ def _run(w: Worker) -> None:
             sampler.start = state.samples  # non-zero only when resuming inside the epoch
             first_step = state.step - state.batch // batches.accum_steps  # this epoch's, also when resumed inside it
             state.clock.start()
+            w.heartbeat.reset_spent()
             train_totals = train_epoch(step, train_dl, state, report.progress(epoch, state.batch + len(train_dl)),
-                                       after_step)
+                                       after_step, w.heartbeat)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
             seconds = state.clock.elapsed()
+            spent = w.heartbeat.reset_spent()
+            w.heartbeat.at(EVAL)
             evaluated = eval_epoch(parallel.model, eval_dl, step)
+            w.heartbeat.at(CHECKPOINT)  # and the epoch's metrics, whose collectives wait for every rank
             if compile_cache:
                 compile_cache.save()  # what the epoch compiled after its first step (its shorter last batch)
             state.finish_epoch()
             metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
-                                        optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated)
+                                        optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated,
+                                        own_s=(spent.get(DATA, 0.0), spent.get(FORWARD, 0.0)),
+                                        straggler_factor=job.failure.straggler_factor)
             # The same decision on every rank: it reads all-reduced metrics.
             stop = state.early_stopping.update(metrics) if state.early_stopping else None
             save = (state.epoch % job.checkpoint.every_epochs == 0 or state.epoch == tc.epochs or stop
                     or after_step.save_at_epoch_end)
             trackers.epoch(metrics)  # (durable before the epoch's checkpoint, as before a step's)
             state.rows.append(metrics)  # (in the checkpoint, for a driver that dies before its row)
-            report_to_ray({**metrics, **after_step.answer()} if save else metrics, state, w, about if save else None)
+            report_to_ray({**metrics, **after_step.answer()} if save else metrics, state, w, about if save else None,
+                          after_step.background, urgent=after_step.save_at_epoch_end)
             if after_step.save_at_epoch_end:
                 report.info("notice answered: the checkpoint at step %d is written", state.step)
                 after_step.save_at_epoch_end = False
@@ -227,6 +248,7 @@ def _run(w: Worker) -> None:
     except preemption.Stopping as e:  # every rank at the same step, after its checkpoint
         report.stopped(e.where)
     finally:
+        after_step.close()  # the checkpoint still being written, if any, before this rank ends
         trackers.close()
         if compile_cache:
             compile_cache.close()
@@ -270,24 +292,31 @@ class Step:
     cuda_graphs: bool = False  # the compiled step replays CUDA graphs: mark where each step begins
     loss_check: Optional[LossCheck] = None
     samples_per_batch: int = 0  # of the epoch's permutation, over all ranks: how far a micro-batch moves it
+    compiled: bool = False  # the epoch's last batch, often shorter, may compile a graph of its own
 
 
 def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callable[[int], None]] = None,
-                after_step: Optional[Callable[[TrainState, bool], None]] = None) -> Totals:
+                after_step: Optional[Callable[[TrainState, bool], None]] = None,
+                heartbeat: Optional[Heartbeat] = None) -> Totals:
     """One pass over this rank's shard (or its rest, from `state.batch`); returns its unreduced loss totals.
 
     With gradient accumulation, each optimizer step averages the gradients of up to
     `accum_steps` micro-batches. DDP all-reduces on every backward unless told not to, so the
-    non-final micro-batches run under `no_sync()`: one all-reduce per optimizer step.
+    non-final micro-batches run under `no_sync()`: one all-reduce per optimizer step. The
+    `heartbeat` hears each phase as it begins.
     """
     step.model.train()
     if not (state.batch and state.totals):  # a fresh epoch; a resumed one continues its restored sums
         state.totals = Totals(step.device)
     totals = state.totals
     n = state.batch + len(loader)
+    at, stepped = (heartbeat.at, heartbeat.stepped) if heartbeat else (_unheard, _unheard)
+    at(DATA)
     waited_since = time.perf_counter()
     for i, batch in enumerate(loader, start=state.batch):
         totals.data_wait_s += time.perf_counter() - waited_since  # the loader's share of the epoch
+        compiling = step.compiled and i + 1 == n
+        at(COMPILE if compiling else FORWARD)
         batch = step.task.move(batch, step.device, step.memory_format)
         window_start = i - i % step.accum_steps
         window_end = min(window_start + step.accum_steps, n)  # the epoch's last window may be shorter
@@ -299,25 +328,34 @@ def train_epoch(step: Step, loader, state: TrainState, on_batch: Optional[Callab
             with step.precision.autocast():
                 loss, count, named = step.task.train_loss(step.model, batch)
             window = window_end - window_start
+            at(COMPILE if compiling else BACKWARD)
             step.precision.backward(loss / window if window > 1 else loss)
         totals.add(loss, count, named)
         state.batch, state.samples = i + 1, state.samples + step.samples_per_batch
         if last:
+            at(OPTIMIZER)
             lr = state.optimizer.param_groups[0]["lr"]
             step.precision.step(state.optimizer, state.model.parameters(), step.grad_clip)
             state.optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             state.step += 1
+            stepped(state.step)
             if step.loss_check:
-                step.loss_check.after_step(totals.sums[0], state.step, lr)
+                step.loss_check.after_step(totals.loss_sum, state.step, lr)
             if after_step:
+                at(AFTER_STEP)
                 after_step(state, i + 1 == n)
         if on_batch:
             on_batch(i + 1)
+        at(DATA)
         waited_since = time.perf_counter()
     if step.loss_check:
         step.loss_check.settle()
     return totals
+
+
+def _unheard(*_) -> None:
+    """What a loop without a heartbeat (a test's, a benchmark's) does at each phase."""
 
 
 def eval_epoch(model: nn.Module, loader, step: Step) -> dict[str, float]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_app.distributed import global_max
+from raytrain_app.distributed import gathered, global_max
 
 
 class Totals:
@@ -32,14 +32,19 @@ class Totals:
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        # sums[0] as a view made once: indexing makes a new tensor at every step's add and loss check.
+        # Everything that changes `sums` does so in place (copy_, +=, item assignment), so it stays live.
+        self.loss_sum = self.sums[0]
         self.named: dict[str, torch.Tensor] = {}  # name -> [sum, count]
         self.samples = 0
         self.data_wait_s = 0.0  # host time spent waiting for batches
 
     def add(self, mean_loss: torch.Tensor, count: int, named: Optional[dict] = None) -> None:
-        self.sums[0].add_(mean_loss.detach(), alpha=count)
+        self.loss_sum.add_(mean_loss.detach(), alpha=count)
         self.samples += count
-        for name, (total, n) in (named or {}).items():
+        if not named:  # a built-in step's
+            return
+        for name, (total, n) in named.items():
             on = {"dtype": torch.float64, "device": self.sums.device}
             pair = torch.stack([torch.as_tensor(total, **on).detach(), torch.as_tensor(n, **on)])
             if name in self.named:
@@ -214,9 +219,12 @@ class EpochMetrics:
         self.flops_per_sample: Optional[float] = None
 
     def row(self, epoch: int, step: int, steps: int, lr: float, seconds: float, train: Totals,
-            evaluated: dict[str, float]) -> dict:
+            evaluated: dict[str, float], own_s: tuple[float, float] = (0.0, 0.0),
+            straggler_factor: float = 2.0) -> dict:
         """`steps`: optimizer steps this epoch (this run's share of it when resumed inside it);
-        `evaluated`: the task's metrics over all ranks' eval shards (loss, samples, each metric)."""
+        `evaluated`: the task's metrics over all ranks' eval shards (loss, samples, each metric);
+        `own_s`: this rank's seconds waiting for data and in forward passes (see `per_rank`)."""
+        ranks = per_rank(gathered([*own_s, seconds], self.device), steps, straggler_factor)
         train.all_reduce()
         slowest = global_max(seconds, self.device)
         row = {
@@ -237,6 +245,7 @@ class EpochMetrics:
             **({"peak_gpu_memory_mib": global_max(torch.cuda.max_memory_allocated(self.device) / 2**20, self.device)}
                if self.device.type == "cuda" else {}),
             "lr": lr,
+            **ranks,
             "time": time.time(),  # when the epoch ended, for pictures on a time axis (restarts)
         }
         if self.device.type == "cuda" and self.flops_per_sample is None:
@@ -247,6 +256,25 @@ class EpochMetrics:
             if self.peak:
                 row["mfu"] = achieved / self.peak
         return row
+
+
+def per_rank(own: list[list[float]], steps: int, factor: float) -> dict:
+    """Each rank's time per step outside collectives, its share of the epoch spent waiting for
+    data, and the ranks that are slow: `own` holds every rank's (data wait, forward, epoch) seconds.
+
+    In synchronous training every rank's epoch lasts as long as the slowest one's, since the
+    others wait for it in the gradient all-reduce: only a rank's own work (its data wait and its
+    forward, which no collective stretches) tells it apart. A slow rank is one whose own work per
+    step is `factor` times the median's (the lower median: of two ranks, the faster one), by at
+    least a tenth of the step: what costs every rank that much, not a tiny model's jitter. On a
+    GPU a forward's host time is the time to launch its kernels, not to run them."""
+    step_s = [(data + forward) / max(steps, 1) for data, forward, _ in own]
+    waiting = [data / epoch if epoch > 0 else 0.0 for data, _, epoch in own]
+    typical = statistics.median_low(step_s)
+    whole = max(epoch for _, _, epoch in own) / max(steps, 1)
+    slow = [{"rank": r, "x_median": s / typical, "data_wait_frac": waiting[r]}
+            for r, s in enumerate(step_s) if typical > 0 and s > factor * typical and s - typical >= 0.1 * whole]
+    return {"rank_step_s": step_s, "rank_data_wait_frac": waiting, "slow_ranks": slow}
 
 
 def peak_rss_mib() -> float:

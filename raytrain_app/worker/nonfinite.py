@@ -47,6 +47,8 @@ class LossCheck:
         # Two buffers in turn: one fills, step by step, while the other's check is in flight.
         self.sums = [torch.zeros(lag, dtype=torch.float64, device=device) for _ in range(2)]
         self.host = [torch.zeros(lag, dtype=torch.float64, pin_memory=self.on_gpu) for _ in range(2)]
+        # Each buffer's entries as views made once: indexing at every step makes a new tensor.
+        self.slots = [[sums[i] for i in range(lag)] for sums in self.sums]
         self.filling, self.steps = 0, []  # the buffer being filled, and its entries' (step, lr)
         self.pending = None  # the check in flight: (buffer, collective, event, [(step, lr)])
 
@@ -56,7 +58,7 @@ class LossCheck:
         the next."""
         if not self.enabled:
             return
-        self.sums[self.filling][len(self.steps)].copy_(running_loss)
+        self.slots[self.filling][len(self.steps)].copy_(running_loss)
         self.steps.append((step, lr))
         if len(self.steps) == self.lag:
             self._read()

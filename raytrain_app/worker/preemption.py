@@ -44,6 +44,7 @@ LONGEST = 1000  # steps between asks, at most
 class _Flag:
     def __init__(self):
         self.reason: Optional[str] = None
+        self.hang: Optional[str] = None
 
     def set(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -51,10 +52,18 @@ class _Flag:
     def get(self) -> Optional[str]:
         return self.reason
 
+    def set_hang(self, line: str) -> None:
+        self.hang = line
+
+    def take_hang(self) -> Optional[str]:
+        hang, self.hang = self.hang, None
+        return hang
+
 
 class StopFlag:
     """Set by the driver on SIGUSR1; rank 0 reads it at the loop's checks. On Ray, an actor that
-    `options` place (beside the driver, where no preemption takes it)."""
+    `options` place (beside the driver, where no preemption takes it). It also carries the
+    driver's hang verdict to Ray Train's controller, which records the restart (`hung`)."""
 
     def __init__(self, **options):
         self.actor = _Flag.options(**options).remote()
@@ -64,6 +73,14 @@ class StopFlag:
 
     def get(self) -> Optional[str]:
         return ray.get(self.actor.get.remote())
+
+    def hung(self, line: str) -> None:
+        """The driver's hang watch is about to kill a rank: the restart that follows is a hang's."""
+        ray.get(self.actor.set_hang.remote(line))
+
+    def take_hang(self) -> Optional[str]:
+        """For Ray Train's controller, recording a restart: the hang that caused it, once."""
+        return ray.get(self.actor.take_hang.remote())
 
     def close(self) -> None:
         ray.kill(self.actor)
@@ -83,6 +100,8 @@ class StopFile:
                 f.write(reason)
 
     def get(self) -> Optional[str]:
+        if not os.path.exists(self.path):  # the common answer, without raising FileNotFoundError
+            return None
         try:
             with open(self.path) as f:
                 return f.read() or "a stop request"

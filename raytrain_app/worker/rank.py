@@ -11,6 +11,7 @@ import torch
 
 from raytrain_app.config import JobConfig
 from raytrain_app.rundir import snapshot
+from raytrain_app.worker.heartbeat import Heartbeat
 from raytrain_app.worker.reporter import Reporter
 
 
@@ -29,6 +30,7 @@ class Worker:
     local: bool = False  # see loop.WorkerArgs.local
     notices: bool = False  # see loop.WorkerArgs.notices
     stop_flag: Any = None  # see loop.WorkerArgs.stop_flag
+    heartbeat: Optional[Heartbeat] = None  # this rank's progress, which the driver watches for hangs
 
     def latest_checkpoint(self) -> Optional[ray.train.Checkpoint]:
         """Where training continues from: what Ray Train hands a (re)started group, or in local

@@ -7,7 +7,7 @@ fails; a restarted worker first takes the uploaded log back, so a run keeps one 
 Rank 0 alone sends console events through a Ray queue that the driver drains (in local mode, a
 queue or a loopback connection): start-up marks,
 notices, progress within an epoch, epoch metrics, a stop at a non-finite loss, or the lines a
-script prints.
+script prints. Every rank sends its heartbeat's beats the same way (see `heartbeat.py`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,10 @@ class Reporter:
         """The group's size and what a step is at it, once per (re)start: the driver says a resize."""
         self.log.info("%d workers, %s", world_size, step)
         self._send("group", {"world_size": world_size, "step": step})
+
+    def beat(self, beat: dict) -> None:
+        """This rank's progress, from its heartbeat's thread, never waiting for the driver."""
+        self._send_nowait(("beat", beat))
 
     def startup(self, marks: dict) -> None:
         self._send("startup", marks)

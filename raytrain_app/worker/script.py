@@ -7,6 +7,7 @@ its own, which a script's `init_process_group` would collide with: rank 0 first 
 rendezvous port through Ray, then that group is torn down and the script builds its own.
 
 Every rank's stdout and stderr go to its `logs/rank-N.log`; rank 0's lines also go to the console.
+A heartbeat watches the script's stack and output for the driver's hang watch (see heartbeat.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ray.train.collective import broadcast_from_rank_zero
 
 from raytrain_app.errors import RankFailed, describe
+from raytrain_app.worker.heartbeat import Heartbeat
 from raytrain_app.worker.reporter import Reporter
 from raytrain_app.worker.script_api import RUN_DIR_ENV
 
@@ -63,7 +65,8 @@ def run_script_per_worker(args) -> None:
     _logging_as_in_a_fresh_process()
     sys.argv = [script["path"], *script["args"]]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script["path"])))  # as `python script.py` does
-    out = RankOutput(report)
+    heartbeat = Heartbeat(rank, ray.get_runtime_context().get_node_id(), report.beat, watch_stack=True).start()
+    out = RankOutput(report, heartbeat)
     try:
         with redirect_stdout(out), redirect_stderr(out):
             try:
@@ -79,6 +82,8 @@ def run_script_per_worker(args) -> None:
     except Exception as e:
         report.failed()
         raise RankFailed(node, describe(e)) from None
+    finally:
+        heartbeat.stop()
     report.sync()
 
 
@@ -131,10 +136,11 @@ def _free_address() -> tuple[str, int]:
 
 
 class RankOutput(io.TextIOBase):
-    """The script's sys.stdout and sys.stderr, a line at a time to `Reporter.output`."""
+    """The script's sys.stdout and sys.stderr, a line at a time to `Reporter.output`; each line
+    is progress to the heartbeat."""
 
-    def __init__(self, report: Reporter):
-        self.report, self.pending = report, ""
+    def __init__(self, report: Reporter, heartbeat: Heartbeat):
+        self.report, self.heartbeat, self.pending = report, heartbeat, ""
 
     def writable(self) -> bool:
         return True
@@ -143,6 +149,8 @@ class RankOutput(io.TextIOBase):
         *lines, self.pending = (self.pending + text).split("\n")
         for line in lines:
             self.report.output(line)
+        if lines:
+            self.heartbeat.progressed()
         return len(text)
 
     def finish(self) -> None:
