@@ -288,7 +288,7 @@ def test_sampled_settings_fifo_and_a_minimised_metric_and_the_same_draws_where_e
     losses = [float(row[4]) for row in rows.values()]
     assert losses == sorted(losses)  # --mode follows the metric: lower is better, best first
     assert yaml.safe_load(open(tmp_path / "ran" / "best.yaml"))["checkpoint"] == {
-        "every_epochs": 4, "every_steps": 0, "keep": 2, "metric": "eval_loss", "mode": "min"}
+        "every_epochs": 4, "every_steps": 0, "keep": 2, "metric": "eval_loss", "mode": "min", "async": False}
     listed = command(["runs", str(tmp_path / "ran"), "--json"], REPO)
     assert sorted((r["name"], r["status"]) for r in json.loads(listed.stdout)) == sorted(
         (name, "finished") for name in rows)

@@ -63,6 +63,7 @@ class Heartbeat:
         self.count = 0  # optimizer steps this process has finished: none yet is start-up, unwatched
         self.steps: deque[float] = deque(maxlen=256)  # recent optimizer steps' durations
         self.spent: dict[str, float] = {}  # seconds per phase since `reset_spent`
+        self.spent_steps = 0  # the optimizer steps those seconds cover
         self._last_step: Optional[float] = None
         self._loop_thread = threading.get_ident()
         self._stop = threading.Event()
@@ -89,14 +90,15 @@ class Heartbeat:
         if self._last_step is not None:
             self.steps.append(now - self._last_step)
         self._last_step, self.step = now, step
+        self.spent_steps += bool(self.count)  # (not the group's first: see `at`)
         self.count += 1
 
-    def reset_spent(self) -> dict[str, float]:
-        """The phases' seconds since the last reset (an epoch's), and a fresh count."""
+    def reset_spent(self) -> tuple[dict[str, float], int]:
+        """The phases' seconds since the last reset (an epoch's) and the steps they cover; a fresh count."""
         self.at(self.phase)  # the current phase's time so far
-        spent, self.spent = self.spent, {}
+        spent, steps, self.spent, self.spent_steps = self.spent, self.spent_steps, {}, 0
         self._last_step = None  # evaluation and the epoch's end are no step's time
-        return spent
+        return spent, steps
 
     def stop(self) -> None:
         """The loop ended, however: a last beat says so, so that the driver stops watching this rank."""

@@ -213,7 +213,7 @@ def _run(w: Worker) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the epoch ends when the GPU's queue is done, not when Python's is
             seconds = state.clock.elapsed()
-            spent = w.heartbeat.reset_spent()
+            spent, spent_steps = w.heartbeat.reset_spent()
             w.heartbeat.at(EVAL)
             evaluated = eval_epoch(parallel.model, eval_dl, step)
             w.heartbeat.at(CHECKPOINT)  # and the epoch's metrics, whose collectives wait for every rank
@@ -222,7 +222,7 @@ def _run(w: Worker) -> None:
             state.finish_epoch()
             metrics = epoch_metrics.row(state.epoch, state.step, state.step - first_step,
                                         optimizer.param_groups[0]["lr"], seconds, train_totals, evaluated,
-                                        own_s=(spent.get(DATA, 0.0), spent.get(FORWARD, 0.0)),
+                                        own=(spent.get(DATA, 0.0), spent.get(FORWARD, 0.0), spent_steps),
                                         straggler_factor=job.failure.straggler_factor)
             # The same decision on every rank: it reads all-reduced metrics.
             stop = state.early_stopping.update(metrics) if state.early_stopping else None

@@ -219,12 +219,13 @@ class EpochMetrics:
         self.flops_per_sample: Optional[float] = None
 
     def row(self, epoch: int, step: int, steps: int, lr: float, seconds: float, train: Totals,
-            evaluated: dict[str, float], own_s: tuple[float, float] = (0.0, 0.0),
+            evaluated: dict[str, float], own: tuple[float, float, int] = (0.0, 0.0, 0),
             straggler_factor: float = 2.0) -> dict:
         """`steps`: optimizer steps this epoch (this run's share of it when resumed inside it);
         `evaluated`: the task's metrics over all ranks' eval shards (loss, samples, each metric);
-        `own_s`: this rank's seconds waiting for data and in forward passes (see `per_rank`)."""
-        ranks = per_rank(gathered([*own_s, seconds], self.device), steps, straggler_factor)
+        `own`: this rank's seconds waiting for data and in forward passes, and the steps they
+        cover (see `per_rank`)."""
+        ranks = per_rank(gathered([*own, seconds], self.device), steps, straggler_factor)
         train.all_reduce()
         slowest = global_max(seconds, self.device)
         row = {
@@ -260,7 +261,8 @@ class EpochMetrics:
 
 def per_rank(own: list[list[float]], steps: int, factor: float) -> dict:
     """Each rank's time per step outside collectives, its share of the epoch spent waiting for
-    data, and the ranks that are slow: `own` holds every rank's (data wait, forward, epoch) seconds.
+    data, and the ranks that are slow: `own` holds every rank's (data wait, forward) seconds, the
+    steps they cover, and its epoch's seconds; `steps` is the epoch's.
 
     In synchronous training every rank's epoch lasts as long as the slowest one's, since the
     others wait for it in the gradient all-reduce: only a rank's own work (its data wait and its
@@ -268,10 +270,10 @@ def per_rank(own: list[list[float]], steps: int, factor: float) -> dict:
     step is `factor` times the median's (the lower median: of two ranks, the faster one), by at
     least a tenth of the step: what costs every rank that much, not a tiny model's jitter. On a
     GPU a forward's host time is the time to launch its kernels, not to run them."""
-    step_s = [(data + forward) / max(steps, 1) for data, forward, _ in own]
-    waiting = [data / epoch if epoch > 0 else 0.0 for data, _, epoch in own]
+    step_s = [(data + forward) / max(covered, 1) for data, forward, covered, _ in own]
+    waiting = [data / epoch if epoch > 0 else 0.0 for data, _, _, epoch in own]
     typical = statistics.median_low(step_s)
-    whole = max(epoch for _, _, epoch in own) / max(steps, 1)
+    whole = max(epoch for *_, epoch in own) / max(steps, 1)
     slow = [{"rank": r, "x_median": s / typical, "data_wait_frac": waiting[r]}
             for r, s in enumerate(step_s) if typical > 0 and s > factor * typical and s - typical >= 0.1 * whole]
     return {"rank_step_s": step_s, "rank_data_wait_frac": waiting, "slow_ranks": slow}
