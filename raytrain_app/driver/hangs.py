@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -98,10 +99,8 @@ class HangWatch(threading.Thread):
                 self._act(*hang)
             if time.monotonic() - asked_at >= REQUESTS_EVERY_S:
                 asked_at = time.monotonic()
-                try:
+                with suppress(OSError):  # storage that does not answer now: the next look tries again
                     stacks.answer_if_asked(self.run_dir, lambda: self.stacks(time.monotonic()))
-                except OSError:  # storage that does not answer now: the next look tries again
-                    pass
 
     def check(self, now: float) -> Optional[tuple[Seen, list[Seen]]]:
         """(the culprit, every rank) when a hang is declared, else None."""
@@ -174,7 +173,5 @@ def kill_on_ray(beat: dict) -> None:
 
 
 def _kill(pid: int) -> None:
-    try:
+    with suppress(ProcessLookupError):  # it ended meanwhile
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:  # it ended meanwhile
-        pass

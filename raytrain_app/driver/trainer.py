@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from contextlib import suppress
@@ -253,8 +254,6 @@ def _hang_killer(local_mode: bool, in_process: bool, stop_flag, run_dir: str):
     the run ends, as it says, and `--resume` continues it."""
     if in_process:
         def end_here(beat: dict, line: str) -> None:
-            import sys
-
             message = "the one worker runs in this process, which cannot restart it: `--resume` continues the run"
             print(f"error: {message}", file=sys.stderr, flush=True)
             with suppress(Exception):

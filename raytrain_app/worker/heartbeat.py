@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from contextlib import suppress
 from typing import Callable, Optional
 
 BEAT_S = 2.0
@@ -106,10 +107,7 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=BEAT_S)
-        try:
-            self.send(self.beat())
-        except Exception:  # noqa: BLE001 - the driver is gone: nobody watches
-            pass
+        self._send()
 
     def beat(self) -> dict:
         """What the driver gets: this rank's state now."""
@@ -131,12 +129,14 @@ class Heartbeat:
 
     def _run(self) -> None:
         while True:  # one beat at once: the driver learns where each rank runs before its first epoch ends
-            try:
-                self.send(self.beat())
-            except Exception:  # noqa: BLE001 - a driver gone or a queue full: the next beat tries again
-                pass
+            self._send()
             if self._stop.wait(BEAT_S):
                 return
+
+    def _send(self) -> None:
+        # A driver gone or a queue full: the next beat tries again (after the last, nobody watches).
+        with suppress(Exception):
+            self.send(self.beat())
 
 
 def users_frame(frames: list[traceback.FrameSummary]) -> str:
