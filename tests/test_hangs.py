@@ -73,6 +73,13 @@ def check_hang(result, lines, times, marker, run_dir, straight, timeout_s, phase
     rank0, rank1 = text.split("\nrank 1 on node ")  # every rank's stack, rank 0's first
     assert "rank 0 on node " in rank0 and "train_epoch" in rank0
     assert f"{where}\", line" in rank1 and f"in {frame}" in rank1  # the frame the rank is stuck in
+    # torch's flight recorder, taken by each rank at half the timeout: the culprit completed every
+    # collective it enqueued, the waiting rank has one in flight; the raw dumps are kept for torch's tools.
+    flights = [re.findall(r"\n  process group \S+: (\d+) collectives enqueued, (\d+) completed", part)
+               for part in (rank0, rank1)]
+    assert all(flights) and all(e == c for e, c in flights[1]), text
+    assert any(int(e) > int(c) for e, c in flights[0]), text
+    assert sorted(os.listdir(run_dir / "logs" / "flight-recorder")) == ["rank_0", "rank_1"]
     [restart] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert restart["kind"] == "hang" and restart["reason"] == said[len("warning: "):]
     assert [line for line in lines if re.match(r"warning: hang: rank 1 on node \S+ \(pid \d+\); restarting from "
@@ -83,51 +90,54 @@ def check_hang(result, lines, times, marker, run_dir, straight, timeout_s, phase
 
 
 @pytest.mark.slow
-def test_a_rank_hung_in_its_forward_is_named_and_its_group_restarts_bitwise_at_the_default_timeout(straight,
-                                                                                                  tmp_path):
-    marker, run_dir = tmp_path / "fault", tmp_path / "run"
-    result, lines, times = hung(step_checkpointed(marker, "stall"), marker, run_dir)
-    check_hang(result, lines, times, marker, run_dir, straight, FLOOR_S, "forward", "forward")
-
-
-@pytest.mark.slow
-def test_a_python_deadlock_on_ray_is_named_and_its_group_restarts_bitwise_at_the_default_timeout(ray_cluster,
-                                                                                                straight, tmp_path):
-    """While rank 1 is stuck, `raytrain-app stack` shows it there, through the run directory."""
+@pytest.mark.parametrize("fault, frame, engine", [("stall", "forward", "local"), ("stall", "forward", "ray"),
+                                                   ("deadlock", "held.acquire()", "local"),
+                                                   ("deadlock", "held.acquire()", "ray")])
+def test_a_rank_hung_in_its_forward_is_named_and_its_group_restarts_bitwise_at_the_default_timeout(
+        request, straight, tmp_path, fault, frame, engine):
+    """Asleep in its forward, or in a Python-level deadlock there. While rank 1 is stuck,
+    `raytrain-app stack` shows it there, through the run directory."""
+    if engine == "ray":
+        request.getfixturevalue("ray_cluster")
     marker, run_dir = tmp_path / "fault", tmp_path / "run"
     shown = []
 
     def ask_while_stuck():
         while not os.path.exists(f"{marker}.at"):
             time.sleep(0.5)
-        time.sleep(5)  # a beat or two from inside the deadlock
+        time.sleep(5)  # a beat or two from inside the hang
         shown.append(command(["stack", str(run_dir)], REPO, timeout=60))
 
     asking = threading.Thread(target=ask_while_stuck, daemon=True)
     asking.start()
-    result, lines, times = hung(step_checkpointed(marker, "deadlock"), marker, run_dir, local=False)
+    result, lines, times = hung(step_checkpointed(marker, fault), marker, run_dir, local=engine == "local")
     check_hang(result, lines, times, marker, run_dir, straight, FLOOR_S, "forward", "forward")
     asking.join(timeout=60)
     [stacks] = shown
     assert stacks.returncode == 0, stacks.stderr
     rank0, rank1 = stacks.stdout.split("\nrank 1 on node ")
     assert re.match(r"rank 0 on node \S+ \(pid \d+\): step \d+, backward for ", rank0), rank0
-    assert re.match(r"\S+ \(pid \d+\): step \d+, forward for ", rank1) and "held.acquire()" in rank1, rank1
+    assert re.match(r"\S+ \(pid \d+\): step \d+, forward for ", rank1) and frame in rank1, rank1
 
 
-def test_a_rank_hung_in_a_data_read_is_named_in_the_data_phase(tmp_path):
-    """A training sample's read that never returns (a dead network filesystem), timeout 10 s: the
-    other rank waits in the gradient all-reduce, and is not the one named."""
+@pytest.mark.parametrize("engine, timeout_s", [("local", 10), pytest.param("ray", "auto", marks=pytest.mark.slow)])
+def test_a_rank_hung_in_a_data_read_is_named_in_the_data_phase(request, tmp_path, engine, timeout_s):
+    """A training sample's read that never returns (a dead network filesystem): the other rank
+    waits in the gradient all-reduce, and is not the one named. In local mode with a 10 s timeout;
+    on Ray at the default."""
+    if engine == "ray":
+        request.getfixturevalue("ray_cluster")
     marker, run_dir = tmp_path / "fault", tmp_path / "run"
     data = {"name": "tests.helpers:stalling_digits", "args": {"marker": str(marker), "at": 30}, "loader_workers": 0}
     config = job(model={"name": "mlp", "args": {"hidden": [32]}}, data=data, train={"epochs": 2, "batch_size": 32},
-                 checkpoint={"every_steps": 5}, failure={"max_failures": 1, "hang_timeout_s": 10})
+                 checkpoint={"every_steps": 5}, failure={"max_failures": 1, "hang_timeout_s": timeout_s})
     reference = job(model={"name": "mlp", "args": {"hidden": [32]}},
                     data={**data, "args": {"marker": str(tmp_path / "never"), "at": 30}},
                     train={"epochs": 2, "batch_size": 32}, checkpoint={"every_steps": 5})
     straight_run = run(reference, tmp_path / "straight")
-    result, lines, times = hung(config, marker, run_dir)
-    check_hang(result, lines, times, marker, run_dir, straight_run, 10, "data", "__getitems__")
+    result, lines, times = hung(config, marker, run_dir, local=engine == "local")
+    check_hang(result, lines, times, marker, run_dir, straight_run, FLOOR_S if timeout_s == "auto" else timeout_s,
+               "data", "__getitems__")
 
 
 def test_a_slow_rank_is_named_in_the_epoch_line_and_in_metrics(tmp_path):

@@ -28,9 +28,8 @@ from typing import Callable, Optional, Union
 
 from raytrain_app import storage
 from raytrain_app.rundir import stacks
-from raytrain_app.worker.heartbeat import COLLECTIVE, UNWATCHED
+from raytrain_app.worker.heartbeat import COLLECTIVE, STEPS, UNWATCHED
 
-STEPS = 20  # times the p99 step
 LOOK_EVERY_S = 1.0
 REQUESTS_EVERY_S = 2.0  # how often the run directory is looked at for `raytrain-app stack`
 
@@ -127,8 +126,11 @@ class HangWatch(threading.Thread):
         line = (f"hang: rank {b['rank']} on node {b['host']} (pid {b['pid']}) made no progress for "
                 f"{culprit.still_s(now):.0f}s in {b['phase']}{at} ({b['where']})")
         self.reset()  # this group is done: the next beats are its restart's
+        recorded = ("\ntorch's flight recorder of each rank that took it (the collectives lines below): "
+                    f"{storage.join(self.run_dir, 'logs', 'flight-recorder', '')}\n"
+                    if any(s.beat.get("collectives") for s in ranks) else "")
         try:
-            storage.write_text(path, f"{line}\n\n{self._stacks(ranks, now)}")
+            storage.write_text(path, f"{line}\n{recorded}\n{self._stacks(ranks, now)}")
             line += f"; every rank's stack in {path}"
         except OSError as e:
             line += f"; the stacks could not be written to {path}: {e.strerror or e}"
@@ -148,7 +150,8 @@ class HangWatch(threading.Thread):
         for seen in sorted(ranks, key=lambda s: s.beat["rank"]):
             b = seen.beat
             parts.append(f"rank {b['rank']} on node {b['host']} (pid {b['pid']}): step {b['step']}, {b['phase']} "
-                         f"for {seen.still_s(now):.1f}s, stack as of {now - seen.at:.1f}s ago\n{b['stack']}")
+                         f"for {seen.still_s(now):.1f}s, stack as of {now - seen.at:.1f}s ago\n"
+                         + "".join(f"  {line}\n" for line in b.get("collectives", [])) + b["stack"])
         return "\n".join(parts)
 
 

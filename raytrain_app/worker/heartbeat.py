@@ -16,6 +16,12 @@ and its output, and its phase is `collective` while its stack is inside torch.di
 `backward` inside autograd (where DDP's all-reduce waits), else `script`. A script's one long
 call (a big file read, a long C operation) keeps its stack as still as a hang does, so its
 floor is five minutes, not one.
+
+A rank still for half its hang timeout also takes torch's flight recorder (on by default, 2,000
+collectives, on Gloo as on NCCL): the raw dump goes to RUN_DIR/logs/flight-recorder/rank_N for
+torch's tools, and a line per process group rides the beats into the hang's stack file: how many
+collectives the rank enqueued and completed, and its newest. A rank hung outside a collective has
+completed all it enqueued, one behind the peers waiting for it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 import traceback
 from collections import deque
 from contextlib import suppress
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 BEAT_S = 2.0
 STACK_FRAMES = 30  # innermost frames sent: the top of a deep stack says where it is
@@ -46,6 +52,7 @@ UNWATCHED = frozenset({START, COMPILE, EVAL, CHECKPOINT, DONE})
 COLLECTIVE = frozenset({BACKWARD, AFTER_STEP, IN_COLLECTIVE})
 # The least a hang's timeout is, whatever the steps: the loop's, and a script's (see above).
 FLOOR_S, SCRIPT_FLOOR_S = 60.0, 300.0
+STEPS = 20  # an auto timeout's other bound: times the p99 step
 _DISTRIBUTED, _AUTOGRAD = os.path.join("torch", "distributed", ""), os.path.join("torch", "autograd", "")
 
 # Not the user's code: Python's own, installed packages' (torch, Ray), and this package's.
@@ -56,8 +63,11 @@ _NOT_USERS = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib
 class Heartbeat:
     """This rank's phase and step, set by the loop's thread, sent by a thread of its own."""
 
-    def __init__(self, rank: int, node: str, send: Callable[[dict], None], watch_stack: bool = False):
+    def __init__(self, rank: int, node: str, send: Callable[[dict], None], watch_stack: bool = False,
+                 timeout: Union[str, float] = "auto", run_dir: Optional[str] = None):
         self.rank, self.node, self.send, self.watch_stack = rank, node, send, watch_stack
+        self.timeout, self.run_dir = timeout, run_dir  # failure.hang_timeout_s; where the flight recorder goes
+        self._collectives: Optional[tuple[float, list[str]]] = None  # (the stall it was taken in, its lines)
         self.phase, self.since, self.step = (SCRIPT if watch_stack else START), time.monotonic(), 0
         self._last_stack = ""
         self.started = time.time()  # with the pid, which group's process this is (an in-process rank restarts)
@@ -120,12 +130,56 @@ class Heartbeat:
             if stack != self._last_stack:
                 self.since, self._last_stack = time.monotonic(), stack
         steps = sorted(self.steps)
+        p99 = steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else None
         phase = self.phase if self.count or self.watch_stack or self.phase == DONE else START
+        quiet = time.monotonic() - self.since
+        if phase not in UNWATCHED and quiet >= self._timeout_s(p99) / 2 and (
+                self._collectives is None or self._collectives[0] != self.since):
+            self._collectives = (self.since, self._flight_recorder())
         return {"rank": self.rank, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
-                "started": self.started, "step": self.step, "phase": phase, "quiet_s": time.monotonic() - self.since,
-                "p99_step_s": steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else None,
-                "floor_s": SCRIPT_FLOOR_S if self.watch_stack else FLOOR_S,
-                "stack": stack, "where": users_frame(frames)}
+                "started": self.started, "step": self.step, "phase": phase, "quiet_s": quiet, "p99_step_s": p99,
+                "floor_s": self._floor_s(), "stack": stack, "where": users_frame(frames),
+                "collectives": self._collectives[1] if self._collectives and self._collectives[0] == self.since else []}
+
+    def _floor_s(self) -> float:
+        return SCRIPT_FLOOR_S if self.watch_stack else FLOOR_S
+
+    def _timeout_s(self, p99: Optional[float]) -> float:
+        """This rank's view of the hang timeout (the driver's takes the slowest rank's p99, so it is
+        never shorter): half of it, the flight recorder is taken, before the driver acts."""
+        if self.timeout != "auto":
+            return float(self.timeout) or float("inf")
+        return max(self._floor_s(), STEPS * (p99 or 0.0))
+
+    def _flight_recorder(self) -> list[str]:
+        """torch's record of this rank's collectives: the dump to the run directory, a line per group."""
+        import pickle
+
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        from raytrain_app import storage
+
+        if not dist.is_available() or not dist.is_initialized():
+            return []
+        try:
+            raw = _dump_fr_trace()
+            if self.run_dir:
+                storage.write_bytes(storage.join(self.run_dir, "logs", "flight-recorder", f"rank_{self.rank}"), raw)
+            dump = pickle.loads(raw)
+        except Exception as e:  # (a build without it, storage that does not answer): the stacks still go
+            return [f"flight recorder: {type(e).__name__}: {e}"]
+        newest = {}
+        for entry in dump.get("entries", []):
+            newest[str(entry["pg_id"])] = entry
+        lines = []
+        for pg, status in sorted(dump.get("pg_status", {}).items()):
+            entry = newest.get(pg)
+            last = (f"; newest #{entry['collective_seq_id']} {entry['profiling_name']} {entry['input_sizes']}"
+                    if entry else "")
+            lines.append(f"process group {pg}: {status['last_enqueued_collective']} collectives enqueued, "
+                         f"{status['last_completed_collective']} completed{last}")
+        return lines
 
     def _run(self) -> None:
         while True:  # one beat at once: the driver learns where each rank runs before its first epoch ends

@@ -84,12 +84,13 @@ class WorkerArgs:
     progress: bool  # rank 0 reports its position within epochs (the driver shows a bar)
     log_dir: str  # RUN_DIR/logs, a local path or URI: where rank-N.log goes
     cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
-    restarts: Any = None  # a script run's script.RestartCount actor
+    restarts: Any = None  # a script run's restarts so far: a script.RestartCount actor (local mode: the number)
     marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
     local: bool = False  # Ray Train's local mode: no controller keeps checkpoints, the loop does (driver/local.py)
     node: Optional[str] = None  # the Ray node a local-mode worker runs on, inside a sweep's trial
     notices: bool = False  # ask Ray Train for preemption notices (its watcher runs on this cluster)
     stop_flag: Any = None  # a preemption.StopFlag, which the driver sets on SIGUSR1
+    master_port: Optional[int] = None  # local mode: where a script's own process group meets
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:
@@ -105,9 +106,10 @@ def train_loop_per_worker(args: WorkerArgs) -> None:
     report = Reporter(args.events, rank, args.log_dir, args.progress)
     node = args.node or (socket.gethostname() if args.local else ray.get_runtime_context().get_node_id())
     report.info("rank %d/%d on node %s, device %s", rank, world_size, node, device)
-    heartbeat = Heartbeat(rank, node, report.beat).start()
+    job = JobConfig.from_dict(args.job)
+    heartbeat = Heartbeat(rank, node, report.beat, timeout=job.failure.hang_timeout_s, run_dir=args.run_dir).start()
     try:
-        _run(Worker(JobConfig.from_dict(args.job), args.run_dir, rank, world_size, node, device, report,
+        _run(Worker(job, args.run_dir, rank, world_size, node, device, report,
                     {**(args.marks or {}), "loop": entered}, args.local, args.notices, args.stop_flag, heartbeat))
     except BaseException:
         report.failed()
