@@ -7,7 +7,9 @@ Runs, round after round, (1) `raytrain-app train examples/digits.yaml --set trai
 cluster), (3) the same `train` joining a local cluster that `raytrain-app cluster up
 cluster/local.yaml` started before the rounds (stopped after them), (4) the same work as a plain
 Ray Train `TorchTrainer` script, (5) the same work under `torchrun --standalone
---nproc_per_node 2`, and prints the median wall times and their ratios to torchrun.
+--nproc_per_node 2`, and prints the median wall times and their ratios to torchrun. Then a
+torchrun-style script (`examples/torchrun_script/train.py --epochs 1`): `train SCRIPT --workers 2`
+in local mode and on a fresh embedded cluster, against `torchrun --standalone` of the same script.
 raytrain-app's own breakdown (imports, cluster, worker group, data, first step) is read from
 each run's startup.json; torchrun's first step from a file its rank 0 writes after it.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+SCRIPT = "examples/torchrun_script/train.py"
 
 
 def timed(cmd: list[str], cwd: str, env: dict) -> float:
@@ -49,6 +52,12 @@ def main() -> None:
         "plain TorchTrainer": lambda r: [sys.executable, os.path.join(HERE, "plain_torchtrainer.py")],
         "torchrun --standalone": lambda r: [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node",
                                             "2", os.path.join(HERE, "plain_ddp.py")],
+        "script: train --local": lambda r: app + ["train", SCRIPT, "--workers", "2", "--local", "--run-dir",
+                                                  f"{tmp}/script-local{r}", "--", "--epochs", "1"],
+        "script: train --ray": lambda r: app + ["train", SCRIPT, "--workers", "2", "--address", "local", "--run-dir",
+                                                f"{tmp}/script-ray{r}", "--", "--epochs", "1"],
+        "script: torchrun": lambda r: [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node", "2",
+                                       SCRIPT, "--epochs", "1"],
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     torchrun_first_step: list[float] = []  # seconds from the command's start, as startup.json's total
@@ -65,11 +74,11 @@ def main() -> None:
     finally:
         subprocess.run(app + ["cluster", "down", "cluster/local.yaml"], cwd=REPO, stdout=subprocess.DEVNULL)
 
-    base = statistics.median(times["torchrun --standalone"])
     print(f"tiny 2-worker job (digits, 1 epoch, Gloo), {args.rounds} alternating rounds, {os.cpu_count()} CPUs")
     for name, ts in times.items():
+        base = statistics.median(times["script: torchrun" if name.startswith("script") else "torchrun --standalone"])
         m = statistics.median(ts)
-        print(f"  {name:<26} median {m:6.1f}s  ({', '.join(f'{t:.1f}' for t in ts)})  {m / base:4.1f}x torchrun")
+        print(f"  {name:<26} median {m:6.1f}s  ({', '.join(f'{t:.1f}' for t in ts)})  {m / base:4.2f}x torchrun")
     for label, prefix in (("local mode", "local"), ("fresh cluster", "run"), ("cluster up", "reuse")):
         phases = [json.loads(Path(f"{tmp}/{prefix}{r}/startup.json").read_text()) for r in range(args.rounds)]
         print(f"  raytrain-app start-up ({label}), median s: " + ", ".join(

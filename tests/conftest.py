@@ -42,9 +42,12 @@ SESSION_CLUSTER_MODULES: set[str] = set()  # the modules with a test that asks f
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "ray_cluster" in item.fixturenames:
+        # (a test parametrized by engine asks for the cluster when its engine is "ray")
+        on_cluster = "ray_cluster" in item.fixturenames or getattr(item, "callspec", None) and \
+            item.callspec.params.get("engine") == "ray"
+        if on_cluster:
             SESSION_CLUSTER_MODULES.add(_module(item))
-        if "ray_cluster" in item.fixturenames or _module(item) in RAY_MODULES:
+        if on_cluster or _module(item) in RAY_MODULES:
             item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: _start_order(_module(item)))

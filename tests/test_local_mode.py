@@ -241,7 +241,6 @@ def test_what_local_mode_cannot_do_is_one_line_and_auto_picks_ray_for_it(tmp_pat
         "data.engine ray_data needs a Ray cluster": (ray_data, {}),
         "--address and --min-nodes join a Ray cluster": (job(), dict(address="127.0.0.1:1")),
         "gpus_per_worker 0.5: local mode gives each worker one whole GPU or none": (job(), dict(gpus_per_worker=0.5)),
-        "a script runs under Ray Train's controller": ("tests/scripts/tutorial_ddp.py", {}),
     }
     for reason, (config, given) in refusals.items():
         start = time.monotonic()

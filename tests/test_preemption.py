@@ -347,3 +347,69 @@ def answered(run_dir, notice: re.Match) -> bool:
     position = json.loads(open(os.path.join(latest, rundir.POSITION)).read())
     step, epoch_end = notice.groups()
     return position["step"] == int(step) if step else (position["epoch"], position["batch"]) == (int(epoch_end), 0)
+
+
+def test_a_drain_reaches_a_scripts_own_handler_whose_checkpoint_the_run_resumes_from(two_nodes, tmp_path):
+    """A torchrun-style script with its own checkpoint-on-SIGTERM handler, on both nodes: the
+    drain's notice becomes SIGTERM to every rank's script, which checkpoints through
+    `raytrain_app.report`. The node then goes; with one node left the 2 workers cannot be placed,
+    and once a node has joined, `--resume` continues from the script's checkpoint."""
+    nodes = two_nodes
+    script, run_dir = "tests/scripts/checkpoint_on_sigterm.py", tmp_path / "run"
+    env = {**os.environ, "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
+    env.pop("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", None)
+    errors = tmp_path / "stderr"
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", script, "--workers", "2", "--ray",
+                             "--run-dir", str(run_dir), "--set", "failure.placement_timeout_s=8"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=open(errors, "w"), text=True, env=env,
+                            start_new_session=True)
+    said, joined = [], None
+    try:
+        for line in proc.stdout:
+            said.append(line)
+            if line.startswith("step 3"):
+                break
+        worker = next(n for n in Dashboard.for_profile(nodes.profile).alive_nodes() if not n.is_head)
+        drain = subprocess.run([sys.executable, "-m", "raytrain_app.cluster.drain", "--deadline-s", "120", "--no-wait",
+                                "--address", f"127.0.0.1:{nodes.profile.ports()['port']}", "--node-id", worker.node_id,
+                                "--reason", "spot reclaim"], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": nodes.profile.token()})
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        saved = None
+        for line in proc.stdout:
+            said.append(line)
+            found = re.match(r"checkpointed at step (\d+) on SIGTERM$", line)
+            if found:
+                saved = int(found[1])
+                break
+        assert saved is not None, "".join(said)
+        deadline = time.monotonic() + 60  # the checkpoint, registered by Ray Train's controller
+        while snapshot.latest(str(run_dir)) is None:
+            assert time.monotonic() < deadline, "".join(said)
+            time.sleep(0.2)
+        os.killpg(nodes.worker, signal.SIGTERM)  # the node goes, before its deadline
+        out, _ = proc.communicate(timeout=120)
+        said.append(out)
+        console, err = "".join(said), errors.read_text()
+        logs = "".join(path.read_text() for path in (run_dir / "logs").glob("rank-*.log"))
+        assert re.search(r"INFO a preemption notice: SIGTERM to the script \(rank \d, pid \d+\)", logs), logs
+        assert proc.returncode == 1 and "could not place 2 workers within 8s" in err, console + err
+        assert re.search(rf"restarting from {run_dir}/checkpoint_\S+ \(preemption 1 of unlimited\)$", console,
+                         re.M), console
+        [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert row["step"] == saved and row["checkpoint"] == snapshot.latest(str(run_dir))
+
+        joined = nodes.add_node()
+        dashboard, deadline = Dashboard.for_profile(nodes.profile), time.monotonic() + 120
+        while sum(node["CPU"] for node in dashboard.free().values()) < 2:  # joined, the old group's room freed
+            assert time.monotonic() < deadline, dashboard.free()
+            time.sleep(0.5)
+        resumed = command(["train", script, "--workers", "2", "--ray", "--resume", "--run-dir", str(run_dir),
+                           "--", "--steps", str(saved + 3)], REPO, env, timeout=300)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert f"resumed at step {saved + 1}\n" in resumed.stdout, resumed.stdout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if joined is not None:
+            localnodes.stop_processes([joined.pid])

@@ -214,7 +214,13 @@ def flag_overrides(**flags) -> list[str]:
 
 
 def dump_yaml(config: JobConfig) -> str:
-    return dumps(config.to_dict())
+    """The resolved config as YAML; a script's, only the sections that apply to it (SCRIPT_SECTIONS):
+    the built-in loop's defaults say nothing of what a script did."""
+    data = config.to_dict()
+    if config.script:
+        data = {**{key: data[key] for key in ("name", "script", "scaling", "failure")},
+                "checkpoint": {"keep": data["checkpoint"]["keep"]}}
+    return dumps(data)
 
 
 def _merge(base: dict, changes: dict) -> dict:

@@ -448,6 +448,10 @@ class ScriptConfig(Section):
     path: str = Field(description="a torchrun-style Python script, run unchanged as __main__ on every worker "
                                   "(relative to the launch directory, or to the job's working_dir)")
     args: list[str] = Field(default_factory=list, description="the script's sys.argv[1:]")
+    stop_signal: Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"] = Field(
+        "SIGTERM", description="sent to every rank's script process on a stop request or a preemption notice")
+    stop_grace_s: float = Field(60.0, ge=0, description="how long the script may take to checkpoint and exit after "
+                                                        "stop_signal, before it is killed")
 
 
 # What a script leaves to raytrain-app; the other sections configure the built-in loop, which a

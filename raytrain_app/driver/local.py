@@ -8,8 +8,8 @@ group (see `worker/local.py`); each runs the Ray Train function with `ray.train.
 and `report()` working, and `worker/checkpoint.commit` does what Ray Train's controller does
 with checkpoints.
 
-What it cannot do is decided in `choose`: Ray Data, a script (it talks to Ray Train's
-controller), another node, more than one whole GPU per worker.
+What it cannot do is decided in `choose`: Ray Data, another node, more than one whole GPU per
+worker. A script runs as on Ray: each worker process serves the script's own (`worker/script.py`).
 
 Restarts: after a failure the group starts again from the latest checkpoint, up to
 `failure.max_failures` times, each in a fresh launch. torchrun's own `--max-restarts` reuses its
@@ -20,6 +20,7 @@ addresses ("connectFullMesh failed ... Connection refused", with plain `torchrun
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -53,7 +54,6 @@ def cannot(config: JobConfig, address: Optional[str] = None, min_nodes: int = 1)
     """What in the job needs Ray Train's own workers, in words (none: local mode can run it)."""
     s = config.scaling
     return [reason for given, reason in (
-        (bool(config.script), "a script runs under Ray Train's controller"),
         (config.data.engine == "ray_data", "data.engine ray_data needs a Ray cluster"),
         (bool(address) or min_nodes > 1, "--address and --min-nodes join a Ray cluster"),
         (s.elastic, f"a range of workers ({s.min_workers}:{s.max_workers}) resizes through Ray Train's "
@@ -79,8 +79,9 @@ def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connec
 
 def in_this_process(config: JobConfig, trial: bool) -> bool:
     """One worker runs in this process, but not in a sweep's trial: Ray Train refuses its API
-    (`get_context`) inside a Tune function, so a trial's one worker is a process of its own."""
-    return config.scaling.max_workers == 1 and not trial
+    (`get_context`) inside a Tune function, so a trial's one worker is a process of its own. Nor
+    a script's, whose worker turns the launcher's SIGTERM and SIGINT into the script's stop signal."""
+    return config.scaling.max_workers == 1 and not trial and not config.script
 
 
 def fresh_events(in_process: bool):
@@ -144,6 +145,10 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
     limit = config.failure.max_failures
     failures = 0
     while True:
+        if config.script:  # the launch's restart count, and a fresh port for the script's own group
+            from raytrain_app.worker.script import free_port
+
+            args = dataclasses.replace(args, restarts=failures, master_port=free_port())
         try:
             with worker_environment(config.scaling):
                 if in_process:
@@ -283,7 +288,8 @@ def _reason(e: Exception) -> str:
     lines = [line for line in message.strip().splitlines() if line.strip() and "To enable traceback" not in line]
     code = failure.exitcode
     what = (f"worker process died: killed by {signal.Signals(-code).name}" if code < 0 else
-            lines[-1] if lines else f"worker process died: exit code {code}")
+            # (a rank's own account, RankFailed, names this node already)
+            re.sub(r"^RankFailed: on node \S+: ", "", lines[-1]) if lines else f"worker process died: exit code {code}")
     return f"rank {rank} on node {host} (pid {failure.pid}): {what}"
 
 

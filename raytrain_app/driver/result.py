@@ -64,4 +64,4 @@ def summary(result: Result) -> str:
 
 def _values(row: dict) -> str:
     return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-                     if k not in ("report", "checkpoint"))
+                     if k not in ("report", "checkpoint", "time"))

@@ -52,7 +52,7 @@ from raytrain_app.rundir import snapshot
 from raytrain_app.worker import preemption
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
 from raytrain_app.worker.preemption import StopFile, StopFlag
-from raytrain_app.worker.script import RestartCount, run_script_per_worker
+from raytrain_app.worker.script import RestartCount, combined, run_script_per_worker
 
 
 def run_training(plan: RunPlan, progress: bool = False, echo=print, marks: Optional[dict] = None,
@@ -84,7 +84,9 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     history = rundir.MetricsLog(storage.join(plan.run_dir, rundir.METRICS), resume=plan.resume)
     if plan.resume:
         rundir.record_restart(plan.run_dir, "resume", "--resume")
-    rundir.record_status(plan.run_dir, "running")
+    rundir.record_status(plan.run_dir, "running", launch={
+        "engine": "local" if plan.local else "ray", "workers": config.scaling.describe_workers(),
+        **({"script": config.script.path, "args": config.script.args} if config.script else {})})
 
     if plan.local:
         in_process = local.in_this_process(config, plan.trial)
@@ -98,7 +100,6 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
             ray.get_runtime_context().get_node_id(), soft=False)}
         events = sent_to = Queue(actor_options=here)
         restarts = RestartCount.options(**here).remote() if config.script else None
-        # A script reads no stop requests; its flag carries the hang watch's verdicts alone.
         stop_flag = StopFlag(**here)
     marks = {**(marks or {}), "fit": time.time()}
     args = WorkerArgs(job=config.to_python(), run_dir=plan.run_dir, events=sent_to, progress=progress,
@@ -110,7 +111,7 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
                       # come from its preemption watcher, which a one-machine cluster runs without
                       # (cluster/session.py); local mode has no Ray cluster at all.
                       notices=not plan.local and os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1") != "0",
-                      stop_flag=None if config.script else stop_flag)
+                      stop_flag=stop_flag)
     hangs = HangWatch(config.failure.hang_timeout_s, plan.run_dir,
                       _hang_killer(plan.local, plan.local and in_process, stop_flag, plan.run_dir),
                       lambda line: echo(f"warning: {line}"))
@@ -126,6 +127,8 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
                     final = _fit_locally(args, config, plan.run_dir, plan.log_dir, listener, echo, in_process)
                 else:
                     final = _fit_on_ray(args, config, plan.run_dir, listener, history, callbacks, stop_flag)
+            # A script asked to stop has ended (it checkpointed, if it handles its stop signal).
+            script_stopped = config.script and stop_flag.get()
         finally:
             hangs.stop()
             if stop_flag is not None:
@@ -134,6 +137,9 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
             raise TrainingFailed(_nonfinite_message(listener.nonfinite, final))
         if listener.stopped:
             raise Stopped(_stopped_message(listener.stopped, plan.run_dir))
+        if script_stopped:
+            raise Stopped(f"stopped on {script_stopped}; the script's latest checkpoint: {final or 'none'}; "
+                          f"`--resume --run-dir {plan.run_dir}` continues it")
     except BaseException as e:
         ended = "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped" if isinstance(e, Stopped) else \
             "failed"
@@ -148,7 +154,9 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
     rundir.record_status(plan.run_dir, *(("stopped early", listener.stopped_early) if listener.stopped_early else
                                   ("finished",)))
     return Result(
-        report=_picture(plan.run_dir, echo) if config.tracking.report_png else None,
+        # (a script that reported nothing has nothing to draw)
+        report=_picture(plan.run_dir, echo) if config.tracking.report_png and (history.rows() or not config.script)
+        else None,
         config=config,
         run_dir=plan.run_dir,
         metrics=history.rows(),
@@ -180,7 +188,7 @@ def _trainer(args: WorkerArgs, config: JobConfig, run_dir: str, history: rundir.
              callbacks: Sequence[UserCallback], flag: StopFlag) -> TorchTrainer:
     callbacks = [RestartNotices(args.events, run_dir, config.failure, args.restarts, flag), *callbacks]
     if config.script:
-        callbacks.append(ScriptReports(args.events, run_dir, reported=len(history.rows())))  # --resume continues
+        callbacks.append(ScriptReports(args.events, run_dir))
     return torch_trainer(
         functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args), config.scaling,
         datasets={"train": read_train(config.data)} if config.data.engine == "ray_data" else None,
@@ -388,8 +396,8 @@ class EventListener(threading.Thread):
         if kind == "output":  # a script's line, as it printed it
             self.echo(payload)
             return
-        if kind == "report":  # a script's report: its own output says what it wants said
-            self.log.add(payload)
+        if kind == "report":  # a script's report, numbered on from the run's rows (--resume continues them)
+            self.log.add({"report": len(self.log.rows()) + 1, **payload})
             return
         if kind == "restored":  # a resume's checkpoint: epochs whose rows an earlier driver did not write
             self.log.fill(payload)
@@ -496,24 +504,16 @@ def _preempted_by_ray(e: BaseException) -> bool:
 
 class ScriptReports(UserCallback):
     """In Ray Train's controller: each `raytrain_app.report` of a script, all ranks' values
-    combined (numbers averaged over the ranks that reported them, others rank 0's), to the
-    driver's metrics.jsonl."""
+    combined (`script.combined`), to the driver's metrics.jsonl."""
 
-    def __init__(self, events: Queue, run_dir: str, reported: int):
+    def __init__(self, events: Queue, run_dir: str):
         self.events, self.run_dir = events, run_dir
-        self.count = reported
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        self.count += 1
-        row = {"report": self.count}
-        for key in dict.fromkeys(k for m in metrics for k in m):
-            values = [m[key] for m in metrics if key in m]
-            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            mixed = len(numbers) != len(values) or len(set(numbers)) == 1  # or the same everywhere (an epoch)
-            row[key] = values[0] if mixed else sum(numbers) / len(numbers)
+        row = combined(metrics)
+        row.pop(preemption.ANSWERED, None)  # the restart accounting's (RestartNotices), not the script's
         if checkpoint is not None:
             row["checkpoint"] = storage.checkpoint_uri(self.run_dir, checkpoint)
-        row["time"] = time.time()  # for report.png's time axis, as the loop's epoch rows have
         self.events.put(("report", row))
 
 

@@ -43,8 +43,8 @@ def sbatch_script(sub: Submission) -> str:
     first node, runs the training entrypoint once every node has joined."""
     p, s = sub.profile.slurm, sub.config.scaling
     cpus, gpus = per_node(sub)
-    # A job of the built-in loop checkpoints at the signal; a script's own loop and a sweep's trials do not.
-    requeue = bool(p.signal_s) and not sub.sweep and not sub.config.script
+    # A job checkpoints at the signal (a script's own handler, given script.stop_signal); a sweep's trials do not.
+    requeue = bool(p.signal_s) and not sub.sweep
     memory_gb = s.memory_per_worker_gb * sub.workers_per_node if s.memory_per_worker_gb else None
     options = [f"--job-name={sub.submission_id}", f"--nodes={sub.node_range}", "--ntasks-per-node=1",
                f"--cpus-per-task={cpus}",

@@ -271,14 +271,17 @@ def read_record(run_dir: str) -> dict:
     return json.loads(storage.read_text(path)) if storage.exists(path) else {}
 
 
-def record_status(run_dir: str, status: str, reason: str = "") -> None:
+def record_status(run_dir: str, status: str, reason: str = "", launch: Optional[dict] = None) -> None:
     """RUN_DIR/run.json: whether the run is running (and which process runs it), finished,
-    failed or interrupted, for `raytrain-app runs`; its first start survives resumes."""
+    failed or interrupted, for `raytrain-app runs`; its first start survives resumes, and how it
+    was launched (`launch`: where, how many workers, a script and its arguments) the updates."""
     path = storage.join(run_dir, "run.json")
     earlier = read_record(run_dir)
     now = time.time()
+    launch = launch or earlier.get("launch")
     record = {"status": status, "started": earlier.get("started", now), "updated": now,
-              "host": socket.gethostname(), "pid": os.getpid(), **({"reason": reason} if reason else {})}
+              "host": socket.gethostname(), "pid": os.getpid(), **({"launch": launch} if launch else {}),
+              **({"reason": reason} if reason else {})}
     storage.write_text(path, json.dumps(record) + "\n")
 
 

@@ -56,7 +56,10 @@ class Outbox:
 def train(args: WorkerArgs) -> None:
     """Run the loop as Ray Train's local mode runs it: in this process, joined to the group that
     torchrun's environment (set by the launcher) names, if it names one."""
-    in_local_mode(functools.partial(train_loop_per_worker, args), os.path.basename(args.run_dir.rstrip("/")))
+    from raytrain_app.worker.script import run_script_per_worker
+
+    function = run_script_per_worker if args.job.get("script") else train_loop_per_worker
+    in_local_mode(functools.partial(function, args), os.path.basename(args.run_dir.rstrip("/")))
 
 
 def in_local_mode(function, name: Optional[str] = None) -> None:
@@ -122,6 +125,10 @@ def main(arguments: str) -> None:
         from ray import cloudpickle
 
         args = cloudpickle.load(f)
+    if args.job.get("script"):
+        from raytrain_app.worker.script import stop_on_signals
+
+        stop_on_signals()
     # The launcher passes on the driver's OMP_NUM_THREADS (see driver/local.worker_environment),
     # which torch, loaded before it was set, reads only now.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

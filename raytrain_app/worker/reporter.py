@@ -75,6 +75,10 @@ class Reporter:
         """This rank's progress, from its heartbeat's thread, never waiting for the driver."""
         self._send_nowait(("beat", beat))
 
+    def script_report(self, row: dict) -> None:
+        """A script's report, its ranks' values combined (local mode; on Ray the controller sends it)."""
+        self._send("report", row)
+
     def startup(self, marks: dict) -> None:
         self._send("startup", marks)
 

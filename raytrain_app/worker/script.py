@@ -1,34 +1,57 @@
-"""A torchrun-style script, unchanged, on every Ray Train worker.
+"""A torchrun-style script, unchanged, one process per rank, as torchrun runs it.
 
-Ray Train starts and places the workers, restarts the group (`failure.max_failures`) and keeps
-the checkpoint index; each worker then runs the script as `__main__`, in the launch directory,
-with the environment torchrun would give it. Ray Train joins its workers in a process group of
-its own, which a script's `init_process_group` would collide with: rank 0 first shares a fresh
-rendezvous port through Ray, then that group is torn down and the script builds its own.
+Each rank's worker (a Ray Train worker, or a local-mode worker process) starts the script as a
+child process (`worker/script_process.py`) with the environment torchrun would give it, and
+serves it until it ends:
 
-Every rank's stdout and stderr go to its `logs/rank-N.log`; rank 0's lines also go to the console.
-A heartbeat watches the script's stack and output for the driver's hang watch (see heartbeat.py).
+- the script has its process's main thread, its own signal handlers and its own process group
+  (rank 0 picks a fresh rendezvous port: the worker's group, Ray Train's, is not the script's);
+- its stdout and stderr, as file descriptors (a C++ warning, a native crash's message), go line
+  by line to the rank's `logs/rank-N.log`, rank 0's also to the console, in order;
+- its `script_api.report` and `latest_checkpoint` calls come over a local socket and are done
+  here, through Ray Train (or, in local mode, as its controller would, `checkpoint.commit`);
+- its heartbeats (its stack) go on to the driver's hang watch, a printed line counting as progress;
+- a stop (SIGUSR1 to `train`, a drain's preemption notice, a stop of the run) becomes
+  `script.stop_signal` to the script, which gets `script.stop_grace_s` to write its checkpoint
+  before it is killed;
+- its exit status, and its last line of output, are its rank's failure.
 """
 
 from __future__ import annotations
 
-import io
-import logging
+import collections
 import os
-import runpy
+import queue
+import re
+import signal
 import socket
+import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
+import tempfile
+import threading
+import time
+from contextlib import suppress
+from multiprocessing.connection import Listener
+from typing import Optional
 
 import ray
 import ray.train
-import torch.distributed as dist
 from ray.train.collective import broadcast_from_rank_zero
 
-from raytrain_app.errors import RankFailed, describe
-from raytrain_app.worker.heartbeat import Heartbeat
+from raytrain_app import storage
+from raytrain_app.errors import RankFailed
+from raytrain_app.worker.heartbeat import DONE
+from raytrain_app.worker.preemption import answered
 from raytrain_app.worker.reporter import Reporter
-from raytrain_app.worker.script_api import RUN_DIR_ENV
+from raytrain_app.worker.script_api import RELAY_ENV, RUN_DIR_ENV
+
+TAIL = 20  # lines of output kept to say why a rank failed
+POLL_S = 0.2  # how often the worker looks at the script
+PREEMPTION_MARGIN_S = 30.0  # past a notice's deadline, by which its node should have gone
+LOOK_S = 1.0  # and at stop requests (on Ray, a call to the driver's StopFlag actor)
+
+_signalled: list[str] = []  # the stop signals this worker process got (local mode, see `stop_on_signals`)
+_serving = threading.Event()  # while a script runs: a stop signal is for it
 
 
 @ray.remote(num_cpus=0)
@@ -47,51 +70,58 @@ class RestartCount:
 
 
 def run_script_per_worker(args) -> None:
-    """The training function of a script run (`args`: loop.WorkerArgs, with `restarts`)."""
+    """The training function of a script run (`args`: loop.WorkerArgs): the script's rank, served."""
     if args.cwd and os.path.isdir(args.cwd):
         os.chdir(args.cwd)
-    script = args.job["script"]
+    job, script = args.job, args.job["script"]
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     report = Reporter(args.events, rank, args.log_dir, progress=False)
-    env = torchrun_env(ctx, ray.get(args.restarts.get.remote()), args.job)
-    env[RUN_DIR_ENV] = args.run_dir
-    node = ray.util.get_node_ip_address()
-    report.info("rank %d/%d on node %s (%s): %s %s", rank, ctx.get_world_size(),
-                ray.get_runtime_context().get_node_id(), node, script["path"], " ".join(script["args"]))
-    if dist.is_initialized():
-        dist.destroy_process_group()  # Ray Train's group: the script starts its own
-    os.environ.update(env)
-    _logging_as_in_a_fresh_process()
-    sys.argv = [script["path"], *script["args"]]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script["path"])))  # as `python script.py` does
-    heartbeat = Heartbeat(rank, ray.get_runtime_context().get_node_id(), report.beat, watch_stack=True).start()
-    out = RankOutput(report, heartbeat)
-    try:
-        with redirect_stdout(out), redirect_stderr(out):
-            try:
-                runpy.run_path(script["path"], run_name="__main__")
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    raise RankFailed(node, f"{script['path']} exited with status {e.code}") from None
-            finally:
-                out.finish()
-    except RankFailed:
-        report.failed()
-        raise
-    except Exception as e:
-        report.failed()
-        raise RankFailed(node, describe(e)) from None
-    finally:
-        heartbeat.stop()
+    if args.local:
+        node, host, restarts = args.node or socket.gethostname(), "127.0.0.1", args.restarts
+        master = ("127.0.0.1", args.master_port)
+    else:
+        node, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        restarts = ray.get(args.restarts.get.remote())
+        master = broadcast_from_rank_zero(_free_address(host) if rank == 0 else None)
+    report.info("rank %d/%d on node %s (%s): %s %s", rank, ctx.get_world_size(), node, host, script["path"],
+                " ".join(script["args"]))
+    with Relay() as relay:
+        # Not the launcher's own variables of a local-mode worker (its store, its error file): the
+        # script's group is its own.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        env = {**inherited, **torchrun_env(ctx, restarts, job, master), RUN_DIR_ENV: args.run_dir,
+               RELAY_ENV: relay.env, "RAYTRAIN_NODE": node,
+               "RAYTRAIN_HANG_TIMEOUT_S": str(job["failure"]["hang_timeout_s"]),
+               # The worker's import path (Ray's working_dir and py_modules among it), so that the
+               # script process finds this package and what the script imports as the worker would.
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+               "PYTHONUNBUFFERED": "1"}  # each line as printed, in order with the native layer's
+        served = Served(args, report, relay, node, rank)
+        code = served.run([sys.executable, "-m", "raytrain_app.worker.script_process", script["path"],
+                           *script["args"]], env)
     report.sync()
+    if _signalled:
+        # torch's launcher is shutting down on that signal: it would not read a result, only wait
+        # out its shutdown timeout for this process to end.
+        os._exit(128 + getattr(signal, _signalled[0]))
+    if served.preempted_until is not None:
+        # The script checkpointed for a preemption notice and ended; the group has not. It goes on
+        # as the built-in loop's would, until Ray Train restarts it from that checkpoint when the
+        # node goes; a notice without a deadline, or a node that never went, is a failure.
+        time.sleep(max(0.0, served.preempted_until + PREEMPTION_MARGIN_S - time.time()))
+        raise RankFailed(node, f"{script['path']} ended on a preemption notice, and its node did not go by the "
+                               "deadline: restarting from its checkpoint")
+    if code and not served.stopped:  # (a script asked to stop ends as it may: the run stops)
+        what = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}")
+        last = next((line for line in reversed(served.tail) if line.strip()), "")
+        last = re.sub(r"^\[rank\d+\]:\s*", "", last.strip())  # torch's prefix on an exception's lines
+        raise RankFailed(node, f"{script['path']} {what}" + (f": {last}" if last else ""))
 
 
-def torchrun_env(ctx, restarts: int, job: dict) -> dict[str, str]:
-    """The variables torchrun sets for each process; MASTER_ADDR:MASTER_PORT is rank 0's node and
-    a port free there, shared through Ray (the script's own group does not exist yet)."""
+def torchrun_env(ctx, restarts: int, job: dict, master: tuple[str, int]) -> dict[str, str]:
+    """The variables torchrun sets for each process."""
     rank = ctx.get_world_rank()
-    master = broadcast_from_rank_zero(_free_address() if rank == 0 else None)
     env = {
         "RANK": rank,
         "LOCAL_RANK": ctx.get_local_rank(),
@@ -110,51 +140,255 @@ def torchrun_env(ctx, restarts: int, job: dict) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def _logging_as_in_a_fresh_process() -> None:
-    """Ray Train's worker prints its own lines (one per report) to the console stream, and its
-    root logger's handlers would turn a script's logging.basicConfig() into a no-op. The script
-    gets Python's defaults, as under torchrun; Ray's lines still go to Ray's log files."""
-    ray_train = logging.getLogger("ray.train")
-    for handler in [h for h in ray_train.handlers if isinstance(h, logging.StreamHandler)]:
-        ray_train.removeHandler(handler)
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    root.setLevel(logging.WARNING)
-    # Some Ray modules log under their file's path, straight into the root logger: the script's.
-    ray_dir = os.path.dirname(ray.__file__)
-    for name, logger in list(logging.root.manager.loggerDict.items()):
-        if name.startswith(ray_dir) and isinstance(logger, logging.Logger):
-            logger.propagate = False
+def free_port(host: str = "127.0.0.1") -> int:
+    return _free_address(host)[1]
 
 
-def _free_address() -> tuple[str, int]:
-    ip = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-        s.bind((ip, 0))
-        return ip, s.getsockname()[1]
+def _free_address(host: str) -> tuple[str, int]:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
 
 
-class RankOutput(io.TextIOBase):
-    """The script's sys.stdout and sys.stderr, a line at a time to `Reporter.output`; each line
-    is progress to the heartbeat."""
+class Relay:
+    """The worker's end of the script's requests and heartbeats: a Unix socket in a private
+    folder, with a key only the script's environment holds."""
 
-    def __init__(self, report: Reporter, heartbeat: Heartbeat):
-        self.report, self.heartbeat, self.pending = report, heartbeat, ""
+    def __init__(self):
+        self._folder = tempfile.mkdtemp(prefix="raytrain-script-")
+        self._key = os.urandom(32)
+        self._listener = Listener(os.path.join(self._folder, "relay"), family="AF_UNIX", authkey=self._key)
+        self._address = self._listener.address
+        self.env = f"{self._address} {self._key.hex()}"
+        self.requests: queue.Queue = queue.Queue()  # (connection, request), answered by the worker's thread
+        self.beats: queue.Queue = queue.Queue()
 
-    def writable(self) -> bool:
-        return True
+    def __enter__(self) -> "Relay":
+        threading.Thread(target=self._accept, name="script-relay", daemon=True).start()
+        return self
 
-    def write(self, text: str) -> int:
-        *lines, self.pending = (self.pending + text).split("\n")
-        for line in lines:
+    def __exit__(self, *exc) -> None:
+        self._listener.close()
+        with suppress(OSError):
+            os.unlink(self._address)
+            os.rmdir(self._folder)
+
+    def _accept(self) -> None:
+        while True:  # one connection for the heartbeat, one for requests
+            try:
+                connection = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection) -> None:
+        with suppress(EOFError, OSError):
+            while True:
+                message = connection.recv()
+                if message[0] == "beat":
+                    self.beats.put(message[1])
+                else:
+                    self.requests.put((connection, message))
+
+
+class Served:
+    """One script process, served until it ends (see the module's docstring)."""
+
+    def __init__(self, args, report: Reporter, relay: Relay, node: str, rank: int):
+        self.args, self.report, self.relay, self.node, self.rank = args, report, relay, node, rank
+        self.script = args.job["script"]
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL)
+        self.last_output = time.monotonic()
+        self.last_beat: Optional[dict] = None
+        self._next_look = 0.0
+
+    def run(self, command: list[str], env: dict) -> int:
+        # A session of its own: the whole of it (its DataLoader workers too) is stopped at once.
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        reading = threading.Thread(target=self._read, args=(process.stdout,), name="script-output", daemon=True)
+        reading.start()
+        stopping: Optional[float] = None  # when the stop signal was sent
+        self.stopped = False
+        self.preempted_until: Optional[float] = None  # a preemption notice's deadline (Unix seconds; 0: none)
+        self.notice = None  # that notice: the checkpoints reported after it answer it
+        _serving.set()
+        try:
+            while True:
+                self._pass_beats()
+                try:
+                    connection, request = self.relay.requests.get(timeout=POLL_S)
+                except queue.Empty:
+                    if process.poll() is not None:
+                        if stopping is None:  # a notice this rank had not looked for yet: it ended the script
+                            self._next_look = 0.0
+                            if self._stop_requested():
+                                stopping = time.monotonic()
+                        break
+                else:
+                    self._answer(connection, request)
+                    continue
+                if stopping is None:
+                    reason = self._stop_requested()
+                    if reason:
+                        stopping = self._signal(process, reason)
+                elif time.monotonic() - stopping > self.script["stop_grace_s"] and process.poll() is None:
+                    self.report.say(f"the script did not exit within script.stop_grace_s "
+                                    f"({self.script['stop_grace_s']:g}s): killed")
+                    _kill_session(process.pid, signal.SIGKILL)
+        finally:
+            _serving.clear()
+            if process.poll() is None:  # the worker itself is ending (its group failed): the script with it
+                _kill_session(process.pid, signal.SIGKILL)
+            process.wait()
+            reading.join(timeout=5)
+            self._pass_beats()
+            if self.last_beat:  # the hang watch stops watching this rank
+                self.report.beat({**self.last_beat, "phase": DONE, "quiet_s": 0.0})
+        if stopping is not None:
+            self.stopped = True
+            code = process.returncode
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"with status {code}"
+            self.report.say(f"the script exited {time.monotonic() - stopping:.1f}s after the stop signal, {how}")
+        return process.returncode
+
+    def _read(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self.report.output(line)
-        if lines:
-            self.heartbeat.progressed()
-        return len(text)
+            self.tail.append(line)
+            self.last_output = time.monotonic()
 
-    def finish(self) -> None:
-        """The last line, when the script ended without a line break."""
-        if self.pending:
-            self.report.output(self.pending)
-            self.pending = ""
+    def _pass_beats(self) -> None:
+        """The script's beats, to the driver: from this node, and quiet only since its last line."""
+        while True:
+            try:
+                beat = self.relay.beats.get_nowait()
+            except queue.Empty:
+                return
+            beat = {**beat, "node": self.node, "quiet_s": min(beat["quiet_s"], time.monotonic() - self.last_output)}
+            self.last_beat = beat
+            self.report.beat(beat)
+
+    def _answer(self, connection, request) -> None:
+        kind, *rest = request
+        try:
+            answer = self._report(*rest) if kind == "report" else self._latest()
+            reply = (True, answer)
+        except Exception as e:  # said to the script, where it called: its own error to handle
+            reply = (False, f"{type(e).__name__}: {e}")
+        with suppress(OSError):
+            connection.send(reply)
+
+    def _report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
+        if not self.args.local:  # Ray Train's controller combines the ranks' rows (ScriptReports)
+            checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+            if self.notice is not None:
+                # The report's checkpoint answers the notice: the ranks' deaths when the node goes are a
+                # preemption, not a failure (driver/trainer.RestartNotices).
+                metrics = {**metrics, **answered(self.notice)}
+            ray.train.report(metrics, checkpoint=checkpoint)
+            return
+        import torch
+        import torch.distributed as dist
+
+        from raytrain_app.config import JobConfig
+        from raytrain_app.rundir import snapshot
+        from raytrain_app.worker.checkpoint import commit
+
+        mine = (metrics, checkpoint_dir is not None)
+        every = [mine]
+        if dist.is_available() and dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        row = combined([m for m, _ in every])
+        if any(saved for _, saved in every):  # every rank takes part in the commit, with its files or none
+            # The newest `checkpoint.keep` are kept: by their time, newest last.
+            keep = JobConfig.from_dict(self.args.job).checkpoint.model_copy(update={"metric": "time", "mode": "max"})
+            with tempfile.TemporaryDirectory() as empty:
+                commit(checkpoint_dir or empty, self.args.run_dir, self.rank, row, keep, torch.device("cpu"))
+            row["checkpoint"] = snapshot.latest(self.args.run_dir)
+        if self.rank == 0:
+            self.report.script_report(row)
+
+    def _latest(self) -> Optional[str]:
+        if not self.args.local:
+            import pyarrow.fs
+
+            checkpoint = ray.train.get_checkpoint()
+            if checkpoint is None:
+                return None
+            if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+                return checkpoint.path
+            return checkpoint.to_directory()
+        from raytrain_app.rundir import snapshot
+
+        latest = snapshot.latest(self.args.run_dir)
+        if latest is None or storage.is_local(latest):
+            return latest
+        local = tempfile.mkdtemp(prefix="raytrain-checkpoint-")
+        storage.download(latest, local)
+        return local
+
+    def _stop_requested(self) -> Optional[str]:
+        """Why the script should stop now, if it should: a stop request (SIGUSR1 to `train`), the
+        launcher's SIGTERM or SIGINT (local mode: a scheduler's signal, Ctrl-C), or Ray Train's
+        notice that this group's node is being drained. Looked at every `LOOK_S`."""
+        if _signalled:
+            return _signalled[0]
+        if time.monotonic() < self._next_look:
+            return None
+        self._next_look = time.monotonic() + LOOK_S
+        flag = self.args.stop_flag
+        reason = flag.get() if flag is not None else None
+        if reason:
+            return reason
+        if self.args.notices:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            with suppress(Exception):  # this worker's own copy of the notice: asking Ray Train is a collective
+                info = get_train_context().preemption_context.preemption_info
+                if info is not None:
+                    self.notice, self.preempted_until = info, (info.deadline_ms or 0) / 1000
+                    return "a preemption notice"
+        return None
+
+    def _signal(self, process: subprocess.Popen, reason: str) -> float:
+        name = self.script["stop_signal"]
+        self.report.say(f"{reason}: {name} to the script (rank {self.rank}, pid {process.pid}), which has "
+                        f"{self.script['stop_grace_s']:g}s (script.stop_grace_s) to checkpoint and exit")
+        with suppress(ProcessLookupError):
+            os.kill(process.pid, getattr(signal, name))
+        return time.monotonic()
+
+
+def stop_on_signals() -> None:
+    """In a local-mode worker process: torch's launcher passes a SIGTERM or SIGINT that `train`
+    got (a scheduler's, a pod's, Ctrl-C) to every worker, and waits for them a while. The worker
+    then stops its script as on any stop request, rather than dying and leaving it running."""
+    def stop(signum, frame):
+        if not _serving.is_set():  # no script to stop (it has ended): as if unhandled
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        _signalled.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def combined(metrics: list[dict]) -> dict:
+    """One row of every rank's report: numbers averaged over the ranks that reported them (one
+    value everywhere, such as an epoch, stays as it is), others rank 0's; and the time."""
+    row = {}
+    for key in dict.fromkeys(k for m in metrics for k in m):
+        values = [m[key] for m in metrics if key in m]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        mixed = len(numbers) != len(values) or len(set(numbers)) == 1
+        row[key] = values[0] if mixed else sum(numbers) / len(numbers)
+    row["time"] = time.time()  # for report.png's time axis, as the loop's epoch rows have
+    return row
+
+
+def _kill_session(pid: int, sig: int) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
