@@ -329,8 +329,8 @@ def _ray_train_settings(config: JobConfig) -> None:
     # cheap; a large group is polled at about 100 workers a second in all.
     poll_s = min(0.5, max(0.1, 0.01 * config.scaling.max_workers))
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = _USER_POLL_INTERVAL or str(poll_s)
-    # Ray Train sends what workers print to its own log as well as to stdout; a script's stdout
-    # is already captured line by line (script.RankOutput), which would then see every line twice.
+    # Ray Train sends what workers print to its own log as well as to stdout: the console's lines
+    # come from the events channel instead (a script's output, read from its process, among them).
     os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
     # Preemption notices (worker/preemption.py), from a watcher in Ray Train's controller: on for
     # a cluster joined or submitted to, whatever its nodes' own environment says; the embedded

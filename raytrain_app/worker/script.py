@@ -77,8 +77,9 @@ def run_script_per_worker(args) -> None:
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     report = Reporter(args.events, rank, args.log_dir, progress=False)
+    # `node`: where the hang watch finds the rank (a Ray node's id); `host`: how a failure names it.
     if args.local:
-        node, host, restarts = args.node or socket.gethostname(), "127.0.0.1", args.restarts
+        node, host, restarts = args.node or socket.gethostname(), socket.gethostname(), args.restarts
         master = ("127.0.0.1", args.master_port)
     else:
         node, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
@@ -110,13 +111,13 @@ def run_script_per_worker(args) -> None:
         # as the built-in loop's would, until Ray Train restarts it from that checkpoint when the
         # node goes; a notice without a deadline, or a node that never went, is a failure.
         time.sleep(max(0.0, served.preempted_until + PREEMPTION_MARGIN_S - time.time()))
-        raise RankFailed(node, f"{script['path']} ended on a preemption notice, and its node did not go by the "
+        raise RankFailed(host, f"{script['path']} ended on a preemption notice, and its node did not go by the "
                                "deadline: restarting from its checkpoint")
     if code and not served.stopped:  # (a script asked to stop ends as it may: the run stops)
         what = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}")
         last = next((line for line in reversed(served.tail) if line.strip()), "")
         last = re.sub(r"^\[rank\d+\]:\s*", "", last.strip())  # torch's prefix on an exception's lines
-        raise RankFailed(node, f"{script['path']} {what}" + (f": {last}" if last else ""))
+        raise RankFailed(host, f"{script['path']} {what}" + (f": {last}" if last else ""))
 
 
 def torchrun_env(ctx, restarts: int, job: dict, master: tuple[str, int]) -> dict[str, str]:
