@@ -44,6 +44,7 @@ def session_processes(leader: int) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.timeout(600)  # a sweep, interrupted, then resumed: 2 minutes alone, over 5 beside the suite on CI
 @pytest.mark.usefixtures("ray_cluster")  # the library's sweep runs on it
 def test_ctrl_c_stops_every_trial_resume_finishes_and_asha_stops_the_weak(tmp_path):
     sweep_dir = tmp_path / "sweep"
