@@ -71,11 +71,16 @@ def two_nodes(cluster):
     after a node joined would start at one worker and grow at its next look."""
     if not running(cluster.worker):
         cluster.worker = cluster.add_node().pid
-    dashboard, deadline = Dashboard.for_profile(cluster.profile), time.monotonic() + 120
-    while sum(node["CPU"] for node in dashboard.free().values()) < 2:  # joined, and no placement group left
+    wait_for_both_cpus(cluster.profile)
+    return cluster
+
+
+def wait_for_both_cpus(profile) -> None:
+    """Until both nodes' CPUs are free: a node joined, and no placement group is left."""
+    dashboard, deadline = Dashboard.for_profile(profile), time.monotonic() + 120
+    while sum(node["CPU"] for node in dashboard.free().values()) < 2:
         assert time.monotonic() < deadline, dashboard.free()
         time.sleep(0.5)
-    return cluster
 
 
 def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, tmp_path):
@@ -282,6 +287,16 @@ def drain(proc: subprocess.Popen, profile, worker_leader: int, epochs: int):
     return said, notice
 
 
+def drain_for_later(profile):
+    """The worker node drained (PREEMPTION) with a deadline 120 s away, not waited for."""
+    worker = next(n for n in Dashboard.for_profile(profile).alive_nodes() if not n.is_head)
+    drain = subprocess.run([sys.executable, "-m", "raytrain_app.cluster.drain", "--deadline-s", "120", "--no-wait",
+                            "--address", f"127.0.0.1:{profile.ports()['port']}", "--node-id", worker.node_id,
+                            "--reason", "spot reclaim"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": profile.token()})
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+
+
 def test_a_node_stopped_before_its_drains_deadline_counts_as_a_preemption(two_nodes, tmp_path):
     """The cloud takes the node before the deadline its notice gave (a pod's grace shorter than the
     drain's), after the run's checkpoint for it: Ray Train counts the workers' deaths as a plain
@@ -305,12 +320,7 @@ def test_a_node_stopped_before_its_drains_deadline_counts_as_a_preemption(two_no
             said.append(line)
             if re.match(r"epoch +1/200", line):
                 break
-        worker = next(n for n in Dashboard.for_profile(nodes.profile).alive_nodes() if not n.is_head)
-        drain = subprocess.run([sys.executable, "-m", "raytrain_app.cluster.drain", "--deadline-s", "120", "--no-wait",
-                                "--address", f"127.0.0.1:{nodes.profile.ports()['port']}", "--node-id", worker.node_id,
-                                "--reason", "spot reclaim"], capture_output=True, text=True, timeout=60,
-                               env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": nodes.profile.token()})
-        assert drain.returncode == 0, drain.stdout + drain.stderr
+        drain_for_later(nodes.profile)
         notice = None
         for line in proc.stdout:
             said.append(line)
@@ -369,12 +379,7 @@ def test_a_drain_reaches_a_scripts_own_handler_whose_checkpoint_the_run_resumes_
             said.append(line)
             if line.startswith("step 3"):
                 break
-        worker = next(n for n in Dashboard.for_profile(nodes.profile).alive_nodes() if not n.is_head)
-        drain = subprocess.run([sys.executable, "-m", "raytrain_app.cluster.drain", "--deadline-s", "120", "--no-wait",
-                                "--address", f"127.0.0.1:{nodes.profile.ports()['port']}", "--node-id", worker.node_id,
-                                "--reason", "spot reclaim"], capture_output=True, text=True, timeout=60,
-                               env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": nodes.profile.token()})
-        assert drain.returncode == 0, drain.stdout + drain.stderr
+        drain_for_later(nodes.profile)
         saved = None
         for line in proc.stdout:
             said.append(line)
@@ -400,10 +405,7 @@ def test_a_drain_reaches_a_scripts_own_handler_whose_checkpoint_the_run_resumes_
         assert row["step"] == saved and row["checkpoint"] == snapshot.latest(str(run_dir))
 
         joined = nodes.add_node()
-        dashboard, deadline = Dashboard.for_profile(nodes.profile), time.monotonic() + 120
-        while sum(node["CPU"] for node in dashboard.free().values()) < 2:  # joined, the old group's room freed
-            assert time.monotonic() < deadline, dashboard.free()
-            time.sleep(0.5)
+        wait_for_both_cpus(nodes.profile)
         resumed = command(["train", script, "--workers", "2", "--ray", "--resume", "--run-dir", str(run_dir),
                            "--", "--steps", str(saved + 3)], REPO, env, timeout=300)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
