@@ -4,8 +4,9 @@ Each rank's worker (a Ray Train worker, or a local-mode worker process) starts t
 child process (`worker/script_process.py`) with the environment torchrun would give it, and
 serves it until it ends:
 
-- the script has its process's main thread, its own signal handlers and its own process group
-  (rank 0 picks a fresh rendezvous port: the worker's group, Ray Train's, is not the script's);
+- the script has its process's main thread, its own signal handlers and its own process group,
+  whose ranks meet at a fresh store that rank 0's worker hosts, as torchrun's agent does (the
+  worker's group, Ray Train's, is not the script's);
 - its stdout and stderr, as file descriptors (a C++ warning, a native crash's message), go line
   by line to the rank's `logs/rank-N.log`, rank 0's also to the console, in order;
 - its `script_api.report` and `latest_checkpoint` calls come over a local socket and are done
@@ -37,6 +38,7 @@ from typing import Optional
 import ray
 import ray.train
 from ray.train.collective import broadcast_from_rank_zero
+from torch.distributed import TCPStore
 
 from raytrain_app import storage
 from raytrain_app.errors import RankFailed
@@ -80,11 +82,13 @@ def run_script_per_worker(args) -> None:
     # `node`: where the hang watch finds the rank (a Ray node's id); `host`: how a failure names it.
     if args.local:
         node, host, restarts = args.node or socket.gethostname(), socket.gethostname(), args.restarts
+        store = _host_store("127.0.0.1", args.master_port, ctx.get_world_size()) if rank == 0 else None
         master = ("127.0.0.1", args.master_port)
     else:
         node, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
         restarts = ray.get(args.restarts.get.remote())
-        master = broadcast_from_rank_zero(_free_address(host) if rank == 0 else None)
+        store = _host_store(host, 0, ctx.get_world_size()) if rank == 0 else None  # (held while the script runs)
+        master = broadcast_from_rank_zero((host, store.port) if store else None)
     report.info("rank %d/%d on node %s (%s): %s %s", rank, ctx.get_world_size(), node, host, script["path"],
                 " ".join(script["args"]))
     with Relay() as relay:
@@ -134,6 +138,7 @@ def torchrun_env(ctx, restarts: int, job: dict, master: tuple[str, int]) -> dict
         "ROLE_WORLD_SIZE": ctx.get_world_size(),
         "MASTER_ADDR": master[0],
         "MASTER_PORT": master[1],
+        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the worker's store, see `_host_store`
         "TORCHELASTIC_RESTART_COUNT": restarts,
         "TORCHELASTIC_MAX_RESTARTS": job["failure"]["max_failures"],
         "TORCHELASTIC_RUN_ID": job["name"],
@@ -142,13 +147,19 @@ def torchrun_env(ctx, restarts: int, job: dict, master: tuple[str, int]) -> dict
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    return _free_address(host)[1]
-
-
-def _free_address(host: str) -> tuple[str, int]:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
-        return host, s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _host_store(host: str, port: int, world_size: int) -> TCPStore:
+    """The store the script's ranks meet at (MASTER_ADDR:MASTER_PORT, port 0 for any free one),
+    hosted by rank 0's worker as torchrun's agent hosts it: with TORCHELASTIC_USE_AGENT_STORE every
+    rank's `init_process_group` is its client. A store served from inside rank 0's script, the
+    alternative, is torn down with that process's interpreter while its peers may still talk to
+    it, and that teardown has aborted the process ("terminate called without an active
+    exception") after the script had ended well."""
+    return TCPStore(host, port, world_size, is_master=True, wait_for_workers=False)
 
 
 class Relay:
