@@ -59,7 +59,7 @@ def fit(config: Union[str, Path, dict, JobConfig], *, overrides: Optional[Sequen
     # The worker processes' fork server loads their imports beside this process: from the start
     # where this process has yet to load torch itself (a command), else once the checks passed
     # (a notebook's fit(), with nothing to overlap: a refused job then starts nothing).
-    fork_server = locally and job.scaling.max_workers > 1
+    fork_server = locally and job.scaling.max_workers > 1 and not job.script  # (a script's ranks: driver/scripts.py)
     if fork_server and "torch" not in sys.modules:
         local_mode.start_fork_server()  # (a child process: it ends with this one, also on a refusal)
     from raytrain_app.driver.plan import make_plan

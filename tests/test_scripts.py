@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from contextlib import suppress
 
 import pytest
 import torch
@@ -137,7 +139,7 @@ def test_a_killed_rank_restarts_the_group_and_the_script_resumes_also_with_resum
 def test_a_stop_reaches_the_scripts_own_handler_which_checkpoints_and_resume_continues(request, tmp_path, sent,
                                                                                        engine):
     """SIGUSR1 to `train` (SLURM's `--signal`, `raytrain-app` stop requests) or SIGTERM (a pod's,
-    a scheduler's; local mode, where torch's launcher passes it on): every rank's script gets
+    a scheduler's; local mode, where `train` passes it on): every rank's script gets
     SIGTERM, its handler checkpoints through `raytrain_app.report`, and `--resume` continues there."""
     if engine == "ray":
         request.getfixturevalue("ray_cluster")
@@ -168,6 +170,38 @@ def test_a_stop_reaches_the_scripts_own_handler_which_checkpoints_and_resume_con
 
     _, lines = run(script, run_dir, engine, ["--steps", str(saved + 3)], resume=True)
     assert f"resumed at step {saved + 1}" in lines and lines.count(f"step {saved + 1}") == 1
+
+
+def test_a_driver_killed_outright_leaves_no_script_process_behind(tmp_path):
+    """SIGKILL (the OOM killer's) on `train` in local mode while rank 1's script sleeps mid-epoch
+    and rank 0's waits for it in a collective: each is a session of its own, out of reach of the
+    driver's process group, and neither would notice. Both end with the driver that served them."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_app.cli", "train", "examples/torchrun_script/train.py",
+                             "--workers", "2", "--local", "--run-dir", str(tmp_path / "run"), "--",
+                             "--hang-at-epoch", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            ranks = [p for p in psutil.Process(proc.pid).children() if "raytrain_app.worker.script_process" in
+                     p.cmdline()]
+            time.sleep(0.2)
+        assert all(os.getsid(p.pid) == p.pid for p in ranks), ranks
+        time.sleep(5)  # (their group is up by then and rank 1 asleep; at any moment, they must end with the driver)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        _, left = psutil.wait_procs(ranks, timeout=15)
+        assert not left, left
+    finally:
+        for p in ranks:  # what a failed assertion would leave: ours, by pid
+            with suppress(psutil.Error):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ and `report()` working, and `worker/checkpoint.commit` does what Ray Train's con
 with checkpoints.
 
 What it cannot do is decided in `choose`: Ray Data, another node, more than one whole GPU per
-worker. A script runs as on Ray: each worker process serves the script's own (`worker/script.py`).
+worker. A script's ranks are started by this process itself, as torchrun starts them, with no
+worker process between (`driver/scripts.py`).
 
 Restarts: after a failure the group starts again from the latest checkpoint, up to
 `failure.max_failures` times, each in a fresh launch. torchrun's own `--max-restarts` reuses its
@@ -20,7 +21,6 @@ addresses ("connectFullMesh failed ... Connection refused", with plain `torchrun
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import pickle
@@ -79,15 +79,16 @@ def choose(config: JobConfig, address: Optional[str], min_nodes: int, ray_connec
 
 def in_this_process(config: JobConfig, trial: bool) -> bool:
     """One worker runs in this process, but not in a sweep's trial: Ray Train refuses its API
-    (`get_context`) inside a Tune function, so a trial's one worker is a process of its own. Nor
-    a script's, whose worker turns the launcher's SIGTERM and SIGINT into the script's stop signal."""
+    (`get_context`) inside a Tune function, so a trial's one worker is a process of its own. A
+    script's ranks are processes of their own (`driver/scripts.py`)."""
     return config.scaling.max_workers == 1 and not trial and not config.script
 
 
-def fresh_events(in_process: bool):
+def fresh_events(here: bool):
     """(the driver's end, the workers' end) of the channel rank 0's console events take: a queue
-    for the worker in this process, an inbox on loopback for worker processes."""
-    if in_process:
+    for a rank served in this process (the one worker, or a script's ranks), an inbox on loopback
+    for worker processes."""
+    if here:
         events = queue.Queue()
         return events, events
     inbox = Inbox()
@@ -145,13 +146,13 @@ def run(args: WorkerArgs, config: JobConfig, log_dir: str, latest: Callable[[], 
     limit = config.failure.max_failures
     failures = 0
     while True:
-        if config.script:  # the launch's restart count, and a fresh port for the script's own group
-            from raytrain_app.worker.script import free_port
-
-            args = dataclasses.replace(args, restarts=failures, master_port=free_port())
         try:
             with worker_environment(config.scaling):
-                if in_process:
+                if config.script:
+                    from raytrain_app.driver.scripts import launch
+
+                    launch(args, config, restarts=failures)
+                elif in_process:
                     from raytrain_app.worker.local import train
 
                     train(args)
@@ -278,7 +279,11 @@ def _reason(e: Exception) -> str:
     """Which rank failed first, where, and its last error line (its peers' broken collectives
     follow from it): from the launcher's report of the worker processes, or the in-process
     worker's own exception."""
+    from raytrain_app.driver.scripts import RankEnded
+
     host = socket.gethostname()
+    if isinstance(e, RankEnded):  # a script's rank
+        return f"rank {e.rank} on node {host} (pid {e.pid}): {e.what}"
     if not hasattr(e, "failures"):  # not torch's ChildFailedError: the worker in this process
         return f"rank 0 on node {host} (pid {os.getpid()}): {last_line(e)}"
     # The launcher reports the first rank it saw end; a rank that a dead peer's broken collective

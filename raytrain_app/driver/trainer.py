@@ -90,7 +90,7 @@ def _run_training(plan: RunPlan, progress: bool, echo, marks: Optional[dict], ca
 
     if plan.local:
         in_process = local.in_this_process(config, plan.trial)
-        events, sent_to = local.fresh_events(in_process)
+        events, sent_to = local.fresh_events(in_process or bool(config.script))
         restarts, stop_flag = None, StopFile()
     else:
         _ray_train_settings(config)

@@ -117,7 +117,7 @@ def commit(staged: str, run_dir: str, rank: int, metrics: dict, c: CheckpointCon
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    name = [datetime.datetime.now().strftime("checkpoint_%Y-%m-%d_%H-%M-%S.%f")]
+    name = [_new_name()]
     if distributed:
         dist.broadcast_object_list(name, src=0, group=group, device=device if device.type == "cuda" else None)
     failed: Optional[OSError] = None
@@ -129,6 +129,27 @@ def commit(staged: str, run_dir: str, rank: int, metrics: dict, c: CheckpointCon
         snapshot.add(run_dir, name[0], metrics, c.metric, c.mode, c.keep)
     if failed:
         raise failed
+
+
+def commit_files(staged: dict[int, str], run_dir: str, metrics: dict, c: CheckpointConfig) -> dict[int, OSError]:
+    """`commit` for ranks that one process serves (local mode's script ranks, `driver/scripts.py`):
+    each rank's staged files into one new directory of the run, indexed once all are in; returns
+    the ranks whose files could not be written (then it is not indexed, as under `commit`)."""
+    name = _new_name()
+    failed = {}
+    for rank, path in sorted(staged.items()):
+        try:
+            storage.upload(path, storage.join(run_dir, name))
+        except OSError as e:
+            failed[rank] = e
+    if not failed:
+        snapshot.add(run_dir, name, metrics, c.metric, c.mode, c.keep)
+    return failed
+
+
+def _new_name() -> str:
+    """A new checkpoint directory's name, as Ray Train names them."""
+    return datetime.datetime.now().strftime("checkpoint_%Y-%m-%d_%H-%M-%S.%f")
 
 
 def restore_latest_good(latest, state: TrainState, rank: int, device: torch.device, run_dir: str,

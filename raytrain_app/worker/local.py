@@ -17,8 +17,6 @@ import functools
 import logging
 import os
 import pickle
-import select
-import signal
 import threading
 import time
 from contextlib import suppress
@@ -26,6 +24,7 @@ from multiprocessing.connection import Client
 from typing import Optional
 
 from raytrain_app.errors import peer_gone
+from raytrain_app.worker.lifeline import end_with
 from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
 
 
@@ -56,10 +55,7 @@ class Outbox:
 def train(args: WorkerArgs) -> None:
     """Run the loop as Ray Train's local mode runs it: in this process, joined to the group that
     torchrun's environment (set by the launcher) names, if it names one."""
-    from raytrain_app.worker.script import run_script_per_worker
-
-    function = run_script_per_worker if args.job.get("script") else train_loop_per_worker
-    in_local_mode(functools.partial(function, args), os.path.basename(args.run_dir.rstrip("/")))
+    in_local_mode(functools.partial(train_loop_per_worker, args), os.path.basename(args.run_dir.rstrip("/")))
 
 
 def in_local_mode(function, name: Optional[str] = None) -> None:
@@ -71,25 +67,6 @@ def in_local_mode(function, name: Optional[str] = None) -> None:
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     TorchTrainer(function, scaling_config=ray.train.ScalingConfig(num_workers=0),
                  run_config=ray.train.RunConfig(name=name)).fit()
-
-
-def _ends_with(driver: int) -> None:
-    """SIGKILL for this rank when the driver that launched it ends: a driver killed outright
-    (SIGKILL, the OOM killer, Tune ending a sweep's trial) leaves no rank behind. Nothing else
-    would end it: in a session of its own it is out of reach of the driver's process group, and a
-    rank that sleeps in a stalled step, waits in a collective on a live peer (up to
-    scaling.timeout_s), or has finished (torch's launcher then waits for the driver to read its
-    result) never notices the driver is gone. Its fork server outlives the driver too: each
-    process it forks holds the pipe whose end would stop it. Linux's pidfd says when, unpolled."""
-    if not hasattr(os, "pidfd_open"):  # (not Linux)
-        return
-
-    def watch() -> None:
-        with suppress(ProcessLookupError):  # (gone already)
-            select.select([os.pidfd_open(driver)], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="driver-watch", daemon=True).start()
 
 
 # How long a rank whose collective a dead peer broke waits before it ends.
@@ -118,17 +95,13 @@ def main(arguments: str) -> None:
         # own start; multiprocessing brings the driver's import path and directory), with this
         # rank's variables that the launcher set.
         driver, environment = pickle.load(f)
-        _ends_with(driver)
+        end_with(driver)  # (its fork server ends by itself: each process it forks holds the pipe that stops it)
         launcher = {k: v for k, v in os.environ.items() if k in _LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_")}
         os.environ.clear()
         os.environ.update({**environment, **launcher})
         from ray import cloudpickle
 
         args = cloudpickle.load(f)
-    if args.job.get("script"):
-        from raytrain_app.worker.script import stop_on_signals
-
-        stop_on_signals()
     # The launcher passes on the driver's OMP_NUM_THREADS (see driver/local.worker_environment),
     # which torch, loaded before it was set, reads only now.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -84,13 +84,12 @@ class WorkerArgs:
     progress: bool  # rank 0 reports its position within epochs (the driver shows a bar)
     log_dir: str  # RUN_DIR/logs, a local path or URI: where rank-N.log goes
     cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
-    restarts: Any = None  # a script run's restarts so far: a script.RestartCount actor (local mode: the number)
+    restarts: Any = None  # a script run's restarts so far on Ray: a script.RestartCount actor
     marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
     local: bool = False  # Ray Train's local mode: no controller keeps checkpoints, the loop does (driver/local.py)
     node: Optional[str] = None  # the Ray node a local-mode worker runs on, inside a sweep's trial
     notices: bool = False  # ask Ray Train for preemption notices (its watcher runs on this cluster)
     stop_flag: Any = None  # a preemption.StopFlag, which the driver sets on SIGUSR1
-    master_port: Optional[int] = None  # local mode: where a script's own process group meets
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:

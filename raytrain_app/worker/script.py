@@ -1,8 +1,8 @@
 """A torchrun-style script, unchanged, one process per rank, as torchrun runs it.
 
-Each rank's worker (a Ray Train worker, or a local-mode worker process) starts the script as a
-child process (`worker/script_process.py`) with the environment torchrun would give it, and
-serves it until it ends:
+On Ray, each rank's Ray Train worker starts the script as a child process
+(`worker/script_process.py`) with the environment torchrun would give it, and serves it until it
+ends (`Served`; in local mode the driver starts and serves every rank itself, `driver/scripts.py`):
 
 - the script has its process's main thread, its own signal handlers and its own process group,
   whose ranks meet at a fresh store that rank 0's worker hosts, as torchrun's agent does (the
@@ -12,10 +12,12 @@ serves it until it ends:
 - its `script_api.report` and `latest_checkpoint` calls come over a local socket and are done
   here, through Ray Train (or, in local mode, as its controller would, `checkpoint.commit`);
 - its heartbeats (its stack) go on to the driver's hang watch, a printed line counting as progress;
-- a stop (SIGUSR1 to `train`, a drain's preemption notice, a stop of the run) becomes
+- a stop (SIGUSR1 to `train`, a drain's preemption notice, a stop of the run; in local mode also
+  SIGTERM or SIGINT to `train`) becomes
   `script.stop_signal` to the script, which gets `script.stop_grace_s` to write its checkpoint
   before it is killed;
-- its exit status, and its last line of output, are its rank's failure.
+- its exit status, and its last line of output, are its rank's failure;
+- it ends with the process serving it (`worker/lifeline.py`), however that ends.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,16 +34,16 @@ import threading
 import time
 from contextlib import suppress
 from multiprocessing.connection import Listener
-from typing import Optional
+from typing import Callable, Optional
 
 import ray
 import ray.train
 from ray.train.collective import broadcast_from_rank_zero
 from torch.distributed import TCPStore
 
-from raytrain_app import storage
 from raytrain_app.errors import RankFailed
 from raytrain_app.worker.heartbeat import DONE
+from raytrain_app.worker.lifeline import LIFELINE_ENV
 from raytrain_app.worker.preemption import answered
 from raytrain_app.worker.reporter import Reporter
 from raytrain_app.worker.script_api import RELAY_ENV, RUN_DIR_ENV
@@ -51,10 +52,6 @@ TAIL = 20  # lines of output kept to say why a rank failed
 POLL_S = 0.2  # how often the worker looks at the script
 PREEMPTION_MARGIN_S = 30.0  # past a notice's deadline, by which its node should have gone
 LOOK_S = 1.0  # and at stop requests (on Ray, a call to the driver's StopFlag actor)
-
-_signalled: list[str] = []  # the stop signals this worker process got (local mode, see `stop_on_signals`)
-_serving = threading.Event()  # while a script runs: a stop signal is for it
-
 
 @ray.remote(num_cpus=0)
 class RestartCount:
@@ -72,44 +69,27 @@ class RestartCount:
 
 
 def run_script_per_worker(args) -> None:
-    """The training function of a script run (`args`: loop.WorkerArgs): the script's rank, served."""
+    """The training function of a script run on Ray (`args`: loop.WorkerArgs): the script's rank, served."""
     if args.cwd and os.path.isdir(args.cwd):
         os.chdir(args.cwd)
-    job, script = args.job, args.job["script"]
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     report = Reporter(args.events, rank, args.log_dir, progress=False)
     # `node`: where the hang watch finds the rank (a Ray node's id); `host`: how a failure names it.
-    if args.local:
-        node, host, restarts = args.node or socket.gethostname(), socket.gethostname(), args.restarts
-        store = _host_store("127.0.0.1", args.master_port, ctx.get_world_size()) if rank == 0 else None
-        master = ("127.0.0.1", args.master_port)
-    else:
-        node, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-        restarts = ray.get(args.restarts.get.remote())
-        store = _host_store(host, 0, ctx.get_world_size()) if rank == 0 else None  # (held while the script runs)
-        master = broadcast_from_rank_zero((host, store.port) if store else None)
+    node, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    restarts = ray.get(args.restarts.get.remote())
+    store = _host_store(host, ctx.get_world_size()) if rank == 0 else None  # (held while the script runs)
+    master = broadcast_from_rank_zero((host, store.port) if store else None)
+    script = args.job["script"]
     report.info("rank %d/%d on node %s (%s): %s %s", rank, ctx.get_world_size(), node, host, script["path"],
                 " ".join(script["args"]))
     with Relay() as relay:
-        # Not the launcher's own variables of a local-mode worker (its store, its error file): the
-        # script's group is its own.
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
-        env = {**inherited, **torchrun_env(ctx, restarts, job, master), RUN_DIR_ENV: args.run_dir,
-               RELAY_ENV: relay.env, "RAYTRAIN_NODE": node,
-               "RAYTRAIN_HANG_TIMEOUT_S": str(job["failure"]["hang_timeout_s"]),
-               # The worker's import path (Ray's working_dir and py_modules among it), so that the
-               # script process finds this package and what the script imports as the worker would.
-               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-               "PYTHONUNBUFFERED": "1"}  # each line as printed, in order with the native layer's
-        served = Served(args, report, relay, node, rank)
-        code = served.run([sys.executable, "-m", "raytrain_app.worker.script_process", script["path"],
-                           *script["args"]], env)
+        env = {**script_environment(args, relay, node),
+               **torchrun_env(rank, ctx.get_local_rank(), ctx.get_world_size(), ctx.get_local_world_size(),
+                              ctx.get_node_rank(), master, restarts, args.job)}
+        served = RayRank(args, report, relay, node, rank)
+        code = served.run(script_command(script), env)
     report.sync()
-    if _signalled:
-        # torch's launcher is shutting down on that signal: it would not read a result, only wait
-        # out its shutdown timeout for this process to end.
-        os._exit(128 + getattr(signal, _signalled[0]))
     if served.preempted_until is not None:
         # The script checkpointed for a preemption notice and ended; the group has not. It goes on
         # as the built-in loop's would, until Ray Train restarts it from that checkpoint when the
@@ -117,28 +97,44 @@ def run_script_per_worker(args) -> None:
         time.sleep(max(0.0, served.preempted_until + PREEMPTION_MARGIN_S - time.time()))
         raise RankFailed(host, f"{script['path']} ended on a preemption notice, and its node did not go by the "
                                "deadline: restarting from its checkpoint")
-    if code and not served.stopped:  # (a script asked to stop ends as it may: the run stops)
-        what = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}")
-        last = next((line for line in reversed(served.tail) if line.strip()), "")
-        last = re.sub(r"^\[rank\d+\]:\s*", "", last.strip())  # torch's prefix on an exception's lines
-        raise RankFailed(host, f"{script['path']} {what}" + (f": {last}" if last else ""))
+    failure = served.failure(code)
+    if failure:
+        raise RankFailed(host, failure)
 
 
-def torchrun_env(ctx, restarts: int, job: dict, master: tuple[str, int]) -> dict[str, str]:
+def script_command(script: dict) -> list[str]:
+    return [sys.executable, "-m", "raytrain_app.worker.script_process", script["path"], *script["args"]]
+
+
+def script_environment(args, relay: "Relay", node: str) -> dict[str, str]:
+    """A script process's variables, but for torchrun's: the serving process's own (not the
+    launcher variables of a run under torchrun itself: the script's group is its own), the way
+    back to it, and its import path."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    return {**inherited, RUN_DIR_ENV: args.run_dir, RELAY_ENV: relay.env, "RAYTRAIN_NODE": node,
+            LIFELINE_ENV: str(os.getpid()),
+            "RAYTRAIN_HANG_TIMEOUT_S": str(args.job["failure"]["hang_timeout_s"]),
+            # The serving process's import path (Ray's working_dir and py_modules among it), so that
+            # the script process finds this package and what the script imports as the worker would.
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            "PYTHONUNBUFFERED": "1"}  # each line as printed, in order with the native layer's
+
+
+def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: int, node_rank: int,
+                 master: tuple[str, int], restarts: int, job: dict) -> dict[str, str]:
     """The variables torchrun sets for each process."""
-    rank = ctx.get_world_rank()
     env = {
         "RANK": rank,
-        "LOCAL_RANK": ctx.get_local_rank(),
-        "WORLD_SIZE": ctx.get_world_size(),
-        "LOCAL_WORLD_SIZE": ctx.get_local_world_size(),
-        "GROUP_RANK": ctx.get_node_rank(),
-        "NODE_RANK": ctx.get_node_rank(),
+        "LOCAL_RANK": local_rank,
+        "WORLD_SIZE": world_size,
+        "LOCAL_WORLD_SIZE": local_world_size,
+        "GROUP_RANK": node_rank,
+        "NODE_RANK": node_rank,
         "ROLE_RANK": rank,
-        "ROLE_WORLD_SIZE": ctx.get_world_size(),
+        "ROLE_WORLD_SIZE": world_size,
         "MASTER_ADDR": master[0],
         "MASTER_PORT": master[1],
-        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the worker's store, see `_host_store`
+        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the server's store, see `_host_store`
         "TORCHELASTIC_RESTART_COUNT": restarts,
         "TORCHELASTIC_MAX_RESTARTS": job["failure"]["max_failures"],
         "TORCHELASTIC_RUN_ID": job["name"],
@@ -146,20 +142,14 @@ def torchrun_env(ctx, restarts: int, job: dict, master: tuple[str, int]) -> dict
     return {k: str(v) for k, v in env.items()}
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _host_store(host: str, port: int, world_size: int) -> TCPStore:
-    """The store the script's ranks meet at (MASTER_ADDR:MASTER_PORT, port 0 for any free one),
-    hosted by rank 0's worker as torchrun's agent hosts it: with TORCHELASTIC_USE_AGENT_STORE every
+def _host_store(host: str, world_size: int) -> TCPStore:
+    """The store the script's ranks meet at (MASTER_ADDR:MASTER_PORT, a free port), hosted by the
+    process serving rank 0 as torchrun's agent hosts it: with TORCHELASTIC_USE_AGENT_STORE every
     rank's `init_process_group` is its client. A store served from inside rank 0's script, the
     alternative, is torn down with that process's interpreter while its peers may still talk to
     it, and that teardown has aborted the process ("terminate called without an active
     exception") after the script had ended well."""
-    return TCPStore(host, port, world_size, is_master=True, wait_for_workers=False)
+    return TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
 
 
 class Relay:
@@ -204,44 +194,45 @@ class Relay:
 
 
 class Served:
-    """One script process, served until it ends (see the module's docstring)."""
+    """One script process, served until it ends (see the module's docstring). What a report, a
+    `latest_checkpoint` call and a stop request are is the serving process's: `RayRank` here,
+    `driver/scripts.LocalRank` in local mode."""
 
-    def __init__(self, args, report: Reporter, relay: Relay, node: str, rank: int):
-        self.args, self.report, self.relay, self.node, self.rank = args, report, relay, node, rank
-        self.script = args.job["script"]
+    def __init__(self, script: dict, report: Reporter, relay: Relay, node: str, rank: int):
+        self.script, self.report, self.relay, self.node, self.rank = script, report, relay, node, rank
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL)
         self.last_output = time.monotonic()
         self.last_beat: Optional[dict] = None
-        self._next_look = 0.0
+        self.stopped = False  # asked to stop: however it then ended, the run stops
+        self.abandoned = threading.Event()  # set by the server: its group is ending, the script is killed
 
-    def run(self, command: list[str], env: dict) -> int:
+    def run(self, command: list[str], env: dict, started: Optional[Callable[[subprocess.Popen], None]] = None) -> int:
         # A session of its own: the whole of it (its DataLoader workers too) is stopped at once.
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, start_new_session=True)
+        if started:
+            started(process)
         reading = threading.Thread(target=self._read, args=(process.stdout,), name="script-output", daemon=True)
         reading.start()
         stopping: Optional[float] = None  # when the stop signal was sent
-        self.stopped = False
-        self.preempted_until: Optional[float] = None  # a preemption notice's deadline (Unix seconds; 0: none)
-        self.notice = None  # that notice: the checkpoints reported after it answer it
-        _serving.set()
         try:
             while True:
                 self._pass_beats()
+                if self.abandoned.is_set() and process.poll() is None:
+                    _kill_session(process.pid, signal.SIGKILL)
                 try:
                     connection, request = self.relay.requests.get(timeout=POLL_S)
                 except queue.Empty:
                     if process.poll() is not None:
-                        if stopping is None:  # a notice this rank had not looked for yet: it ended the script
-                            self._next_look = 0.0
-                            if self._stop_requested():
-                                stopping = time.monotonic()
+                        # A stop this rank had not looked for yet (a notice) may be what ended it.
+                        if stopping is None and self._stop_requested(now=True):
+                            stopping = time.monotonic()
                         break
                 else:
                     self._answer(connection, request)
                     continue
                 if stopping is None:
-                    reason = self._stop_requested()
+                    reason = self._stop_requested(now=False)
                     if reason:
                         stopping = self._signal(process, reason)
                 elif time.monotonic() - stopping > self.script["stop_grace_s"] and process.poll() is None:
@@ -249,8 +240,7 @@ class Served:
                                     f"({self.script['stop_grace_s']:g}s): killed")
                     _kill_session(process.pid, signal.SIGKILL)
         finally:
-            _serving.clear()
-            if process.poll() is None:  # the worker itself is ending (its group failed): the script with it
+            if process.poll() is None:  # the server itself is ending (its group failed): the script with it
                 _kill_session(process.pid, signal.SIGKILL)
             process.wait()
             reading.join(timeout=5)
@@ -263,6 +253,26 @@ class Served:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"with status {code}"
             self.report.say(f"the script exited {time.monotonic() - stopping:.1f}s after the stop signal, {how}")
         return process.returncode
+
+    def failure(self, code: int) -> Optional[str]:
+        """The rank's failure, in a line, from its exit status and its last line of output; None for
+        a script that succeeded, or that was asked to stop (it ends as it may: the run stops)."""
+        if not code or self.stopped:
+            return None
+        what = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        last = next((line for line in reversed(self.tail) if line.strip()), "")
+        last = re.sub(r"^\[rank\d+\]:\s*", "", last.strip())  # torch's prefix on an exception's lines
+        return f"{self.script['path']} {what}" + (f": {last}" if last else "")
+
+    def _report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
+        raise NotImplementedError
+
+    def _latest(self) -> Optional[str]:
+        raise NotImplementedError
+
+    def _stop_requested(self, now: bool) -> Optional[str]:
+        """Why the script should stop, if it should (`now`: look, even if looked a moment ago)."""
+        raise NotImplementedError
 
     def _read(self, stream) -> None:
         for raw in iter(stream.readline, b""):
@@ -292,79 +302,6 @@ class Served:
         with suppress(OSError):
             connection.send(reply)
 
-    def _report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
-        if not self.args.local:  # Ray Train's controller combines the ranks' rows (ScriptReports)
-            checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-            if self.notice is not None:
-                # The report's checkpoint answers the notice: the ranks' deaths when the node goes are a
-                # preemption, not a failure (driver/trainer.RestartNotices).
-                metrics = {**metrics, **answered(self.notice)}
-            ray.train.report(metrics, checkpoint=checkpoint)
-            return
-        import torch
-        import torch.distributed as dist
-
-        from raytrain_app.config import JobConfig
-        from raytrain_app.rundir import snapshot
-        from raytrain_app.worker.checkpoint import commit
-
-        mine = (metrics, checkpoint_dir is not None)
-        every = [mine]
-        if dist.is_available() and dist.is_initialized():
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
-        row = combined([m for m, _ in every])
-        if any(saved for _, saved in every):  # every rank takes part in the commit, with its files or none
-            # The newest `checkpoint.keep` are kept: by their time, newest last.
-            keep = JobConfig.from_dict(self.args.job).checkpoint.model_copy(update={"metric": "time", "mode": "max"})
-            with tempfile.TemporaryDirectory() as empty:
-                commit(checkpoint_dir or empty, self.args.run_dir, self.rank, row, keep, torch.device("cpu"))
-            row["checkpoint"] = snapshot.latest(self.args.run_dir)
-        if self.rank == 0:
-            self.report.script_report(row)
-
-    def _latest(self) -> Optional[str]:
-        if not self.args.local:
-            import pyarrow.fs
-
-            checkpoint = ray.train.get_checkpoint()
-            if checkpoint is None:
-                return None
-            if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
-                return checkpoint.path
-            return checkpoint.to_directory()
-        from raytrain_app.rundir import snapshot
-
-        latest = snapshot.latest(self.args.run_dir)
-        if latest is None or storage.is_local(latest):
-            return latest
-        local = tempfile.mkdtemp(prefix="raytrain-checkpoint-")
-        storage.download(latest, local)
-        return local
-
-    def _stop_requested(self) -> Optional[str]:
-        """Why the script should stop now, if it should: a stop request (SIGUSR1 to `train`), the
-        launcher's SIGTERM or SIGINT (local mode: a scheduler's signal, Ctrl-C), or Ray Train's
-        notice that this group's node is being drained. Looked at every `LOOK_S`."""
-        if _signalled:
-            return _signalled[0]
-        if time.monotonic() < self._next_look:
-            return None
-        self._next_look = time.monotonic() + LOOK_S
-        flag = self.args.stop_flag
-        reason = flag.get() if flag is not None else None
-        if reason:
-            return reason
-        if self.args.notices:
-            from ray.train.v2._internal.execution.context import get_train_context
-
-            with suppress(Exception):  # this worker's own copy of the notice: asking Ray Train is a collective
-                info = get_train_context().preemption_context.preemption_info
-                if info is not None:
-                    self.notice, self.preempted_until = info, (info.deadline_ms or 0) / 1000
-                    return "a preemption notice"
-        return None
-
     def _signal(self, process: subprocess.Popen, reason: str) -> float:
         name = self.script["stop_signal"]
         self.report.say(f"{reason}: {name} to the script (rank {self.rank}, pid {process.pid}), which has "
@@ -374,18 +311,53 @@ class Served:
         return time.monotonic()
 
 
-def stop_on_signals() -> None:
-    """In a local-mode worker process: torch's launcher passes a SIGTERM or SIGINT that `train`
-    got (a scheduler's, a pod's, Ctrl-C) to every worker, and waits for them a while. The worker
-    then stops its script as on any stop request, rather than dying and leaving it running."""
-    def stop(signum, frame):
-        if not _serving.is_set():  # no script to stop (it has ended): as if unhandled
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        _signalled.append(signal.Signals(signum).name)
+class RayRank(Served):
+    """A rank served by its Ray Train worker: reports go to Ray Train, whose controller combines
+    the ranks' rows (driver/trainer.ScriptReports) and keeps the checkpoints."""
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
+    def __init__(self, args, report: Reporter, relay: Relay, node: str, rank: int):
+        super().__init__(args.job["script"], report, relay, node, rank)
+        self.stop_flag, self.notices = args.stop_flag, args.notices
+        self.preempted_until: Optional[float] = None  # a preemption notice's deadline (Unix seconds; 0: none)
+        self.notice = None  # that notice: the checkpoints reported after it answer it
+        self._next_look = 0.0
+
+    def _report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
+        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        if self.notice is not None:
+            # The report's checkpoint answers the notice: the ranks' deaths when the node goes are a
+            # preemption, not a failure (driver/trainer.RestartNotices).
+            metrics = {**metrics, **answered(self.notice)}
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+    def _latest(self) -> Optional[str]:
+        import pyarrow.fs
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+            return checkpoint.path
+        return checkpoint.to_directory()
+
+    def _stop_requested(self, now: bool) -> Optional[str]:
+        """A stop request (SIGUSR1 to `train`, `raytrain-app stop`), or Ray Train's notice that this
+        group's node is being drained. Looked at every `LOOK_S` (a call to the driver's actor)."""
+        if not now and time.monotonic() < self._next_look:
+            return None
+        self._next_look = time.monotonic() + LOOK_S
+        reason = self.stop_flag.get() if self.stop_flag is not None else None
+        if reason:
+            return reason
+        if self.notices:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            with suppress(Exception):  # this worker's own copy of the notice: asking Ray Train is a collective
+                info = get_train_context().preemption_context.preemption_info
+                if info is not None:
+                    self.notice, self.preempted_until = info, (info.deadline_ms or 0) / 1000
+                    return "a preemption notice"
+        return None
 
 
 def combined(metrics: list[dict]) -> dict:
