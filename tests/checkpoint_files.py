@@ -1,4 +1,4 @@
-"""A checkpoint of the digits LeNet opened as the README tells a user to open one, not through
+"""A checkpoint of the digits LeNet opened as docs/reference/run-directory.md tells a user to open one, not through
 `raytrain_app.worker.checkpoint`, whose `verify` and loaders are under test: each file against
 its `.sha256` by hand, each loaded with `torch.load(..., weights_only=True)`, and the weights
 loaded into a LeNet written here, as the classic data-parallel tutorials write it."""

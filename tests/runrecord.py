@@ -1,5 +1,5 @@
 """A local run directory's record read by hand: its files opened with `json`, by the names and
-in the format the README's "A run directory holds" gives, not through `raytrain_app.rundir`,
+in the format docs/reference/run-directory.md gives, not through `raytrain_app.rundir`,
 which the commands under test read them with. Tests take their expected answers from here."""
 
 import glob
@@ -30,7 +30,7 @@ def latest(run_dir) -> tuple[str, dict]:
 
 
 def best(run_dir, metric: str = "eval_accuracy") -> tuple[str, dict]:
-    """The best checkpoint as the README defines it: of the epoch-end checkpoints still kept, the
+    """The best checkpoint as docs/how-to/use-a-checkpoint.md defines it: of the epoch-end checkpoints still kept, the
     one whose epoch scored the highest `metric` in metrics.jsonl, ties going to the earliest
     epoch. Its path, and its epoch's row."""
     epoch_ends = {position["epoch"]: path for path, position in positions(run_dir).items() if position["batch"] == 0}

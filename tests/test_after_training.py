@@ -288,17 +288,16 @@ def test_early_stopping_stops_every_rank_after_the_same_epoch_and_a_resume_count
     assert resumed.stopped_early.startswith("stopped early after epoch 4: eval_accuracy did not improve for 3 ")
 
 
-def test_the_readmes_raw_row_example_runs_on_this_run(trained, monkeypatch, capsys, tmp_path):
-    """"Using a checkpoint"'s Python lines, in the project folder where its `runs/plans` is."""
+def test_the_docs_raw_row_example_runs_on_this_run(trained, monkeypatch, capsys, tmp_path):
+    """The Python lines of docs/how-to/use-a-checkpoint.md, in the project folder where its `runs/plans` is."""
     import re
 
     project, result, _ = trained
-    readme = open(f"{REPO}/README.md").read()
-    section = readme[readme.index("## Using a checkpoint"):readme.index("## Python API")]
-    [example] = re.findall(r"```python\n(.*?)```", section, re.S)
+    page = "docs/how-to/use-a-checkpoint.md"
+    [example] = re.findall(r"```python\n(.*?)```", open(f"{REPO}/{page}").read(), re.S)
     monkeypatch.chdir(project)
     namespace = {}
-    exec(compile(example, "README.md", "exec"), namespace)
+    exec(compile(example, page, "exec"), namespace)
     assert namespace["model"].source == runrecord.best(result.run_dir)[0]
     with torch.no_grad():
         [probabilities] = namespace["model"](namespace["rows"]).softmax(1).tolist()

@@ -1,4 +1,4 @@
-"""The Python API: `raytrain_app.fit` and `load_model`, as the README shows them, on the test
+"""The Python API: `raytrain_app.fit` and `load_model`, as docs/reference/python-api.md shows them, on the test
 session's Ray cluster (fit uses the connection a caller already has)."""
 
 import re
@@ -16,10 +16,13 @@ from tests.conftest import REPO
 PUBLIC = {"fit", "load_model", "Result", "UserError", "ConfigError", "TrainingFailed", "report", "latest_checkpoint"}
 
 
-def readme_example() -> str:
-    readme = open(f"{REPO}/README.md").read()
-    section = readme[readme.index("## Python API"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+PAGE = "docs/reference/python-api.md"
+
+
+def docs_example() -> str:
+    """The page's first Python block: a notebook's model trained with `fit` and loaded back."""
+    page = open(f"{REPO}/{PAGE}").read()
+    return re.search(r"```python\n(.*?)```", page, re.S).group(1)
 
 
 def test_the_package_exports_exactly_the_public_api():
@@ -27,13 +30,13 @@ def test_the_package_exports_exactly_the_public_api():
     assert all(hasattr(raytrain_app, name) for name in PUBLIC)
 
 
-def test_the_readme_example_trains_a_notebook_model_and_predicts_raw_rows(ray_cluster, tmp_path, monkeypatch):
+def test_the_docs_example_trains_a_notebook_model_and_predicts_raw_rows(ray_cluster, tmp_path, monkeypatch):
     """On Ray: a notebook that joined a cluster (`ray.init()`) trains there, its model function
     pickled by value to Ray's workers."""
     monkeypatch.chdir(tmp_path)  # its runs/ go here
     namespace = {"__name__": "__main__"}  # as in a notebook: the model function is pickled by value
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(compile(docs_example(), PAGE, "exec"), namespace)
     # Ray Train's fit sets its own SIGINT handler and leaves it: the notebook's are back.
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     result, model = namespace["result"], namespace["model"]

@@ -1,5 +1,5 @@
-"""Every `raytrain-app` command the project shows runs as written: the README's code blocks, each
-command's `--help` examples and the comments in `cluster/*.yaml`.
+"""Every `raytrain-app` command the project shows runs as written: the code blocks of README.md and
+of every page under docs/, each command's `--help` examples and the comments in `cluster/*.yaml`.
 
 Each command must name only files that exist (inputs: configs, profiles, scripts, data; not the
 outputs it writes, nor the run directories and jobs earlier commands make), and must parse: a
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow  # a hundred commands, a minute of CPU
 class Shown:
     where: str  # file:line, or the command whose --help shows it
     tokens: tuple[str, ...]  # after `raytrain-app`
-    cwd: str = "."  # where it runs, relative to the checkout: a README block may `cd` first
+    cwd: str = "."  # where it runs, relative to the checkout: a documented block may `cd` first
 
     def __str__(self) -> str:
         return f"{self.where}: raytrain-app {shlex.join(self.tokens)}"
@@ -70,9 +70,18 @@ def commands_in(line: str, where: str, cwd: str = ".") -> tuple[list[Shown], str
     return [Shown(s.where, tuple(t for t in s.tokens if t not in REDIRECT), s.cwd) for s in found], cwd
 
 
-def readme_commands() -> list[Shown]:
+DOCUMENTS = ["README.md", *sorted(os.path.relpath(path, REPO) for path in
+                                  glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))]
+
+
+def document_commands() -> list[Shown]:
+    """The commands in the code blocks of README.md and every docs/ page."""
+    return [shown for document in DOCUMENTS for shown in commands_in_document(document)]
+
+
+def commands_in_document(document: str) -> list[Shown]:
     found, fenced, cwd = [], False, "."
-    lines = open(os.path.join(REPO, "README.md")).read().split("\n")
+    lines = open(os.path.join(REPO, document)).read().split("\n")
     for number, line in enumerate(lines, 1):
         if line.lstrip().startswith("```"):
             fenced, cwd = not fenced, "."  # each block starts in the checkout
@@ -81,7 +90,7 @@ def readme_commands() -> list[Shown]:
             while start > 1 and lines[start - 2].rstrip().endswith("\\"):
                 start -= 1
             joined = " ".join(part.rstrip().rstrip("\\") for part in lines[start - 1:number])
-            shown, cwd = commands_in(joined, f"README.md:{number}", cwd)
+            shown, cwd = commands_in(joined, f"{document}:{number}", cwd)
             found += shown
     return found
 
@@ -111,7 +120,7 @@ def help_example_commands() -> list[Shown]:
     return found
 
 
-SHOWN = readme_commands() + profile_comment_commands() + help_example_commands()
+SHOWN = document_commands() + profile_comment_commands() + help_example_commands()
 
 
 def command_of(tokens: tuple[str, ...]) -> tuple[click.Command, int]:
@@ -127,9 +136,11 @@ def options_of(cmd: click.Command) -> set[str]:
 
 
 def test_the_project_shows_commands_from_every_source():
-    """Not vacuous: the README, the profiles' comments and the --help examples each show many."""
+    """Not vacuous: the README, the docs' pages, the profiles' comments and the --help examples each
+    show many."""
     sources = {shown.where.split(":")[0].split(" ")[0] for shown in SHOWN}
-    assert {"README.md", "cluster/kuberay.yaml", "raytrain-app"} <= sources
+    assert {"README.md", "docs/getting-started.md", "docs/how-to/ray-clusters.md", "docs/how-to/slurm.md",
+            "cluster/kuberay.yaml", "raytrain-app"} <= sources
     assert len(SHOWN) > 80
     assert commands_in("cd a && raytrain-app k8s render x.yaml --cluster c.yaml > out.yaml  # said", "t") == (
         [Shown("t", ("k8s", "render", "x.yaml", "--cluster", "c.yaml"), "a")], "a")

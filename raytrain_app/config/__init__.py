@@ -3,8 +3,8 @@
 Everything a run does is decided here, before Ray starts, so a typo costs a second and a clear
 message instead of a cluster start and a worker traceback. Each constraint sits beside its field
 with the field's description, which the JSON Schema (`raytrain-app config schema`), `config show`
-and the README's config reference all read. Every problem in a file is reported at once, one line
-each, with the line of the YAML it comes from.
+and the docs' config reference (docs/reference/config.md) all read. Every problem in a file is
+reported at once, one line each, with the line of the YAML it comes from.
 
 The resolved config is saved into the run directory and shipped to every worker as plain data,
 and validated again there.

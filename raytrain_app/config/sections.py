@@ -1,5 +1,5 @@
 """The job config's sections, one pydantic model each: what a job file may say, with its
-defaults, bounds and descriptions (the schema `config schema` prints and the README's reference
+defaults, bounds and descriptions (the schema `config schema` prints and the docs' reference
 is generated from). `JobConfig` (in `config/__init__.py`) puts them together."""
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class Reports:
             entries = self._rounds.setdefault(k, {})
             entries[rank] = (metrics, checkpoint_dir)
             if len(entries) == self.workers:
-                self._errors[k] = self._join(entries)
+                self._errors[k] = self._join(self._rounds.pop(k))
                 self._changed.notify_all()
             while k not in self._errors:
                 if self._abandoned:

@@ -136,7 +136,7 @@ def not_carried() -> list[Requirement]:
 
 
 def describe() -> str:
-    """What a job brings, for `submit --dry-run` and the README."""
+    """What a job brings, for `submit --dry-run` and the docs (how-to/ray-clusters.md)."""
     return ", ".join(f"{c.name} {c.version}" for c in carried())
 
 
