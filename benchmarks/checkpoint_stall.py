@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint_stall.py                          # gpt 12 x 768: 86M parameters, ~1 GiB of state
     python benchmarks/checkpoint_stall.py --layers 4 --embd 256    # a quick look (~50 MB)
+    python benchmarks/checkpoint_stall.py --device cuda --local-only   # on a GPU, bf16 autocast; local disk only
 
 One process, as local mode's one worker: the built-in `gpt` (vocabulary 256, 256 tokens) with
 AdamW, one step taken so that the optimizer's state exists, checkpointed through the loop's own
@@ -43,7 +44,6 @@ from raytrain_app.worker.optim import build_optimizer, build_schedule  # noqa: E
 from raytrain_app.worker.rank import Worker  # noqa: E402
 from raytrain_app.worker.reporter import Reporter  # noqa: E402
 from raytrain_app.worker.state import TrainState  # noqa: E402
-from tests.objectstore import start_moto  # noqa: E402
 
 TOKENS = 256
 GOALS = {"local disk": 1 / 4, "S3 (moto on loopback)": 1 / 10}  # async stall / sync stall, at most
@@ -56,41 +56,55 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--checkpoints", type=int, default=3, help="of each kind, to each target")
     p.add_argument("--steps", type=int, default=1, help="training steps after each checkpoint")
+    p.add_argument("--device", default="cpu", help="cuda: the model and its state on the GPU, steps in bf16 autocast")
+    p.add_argument("--local-only", action="store_true", help="no S3 target (a machine without moto)")
     args = p.parse_args()
     torch.manual_seed(0)
-    model = gpt((TOKENS + 1,), 256, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    device = torch.device(args.device)
+    model = gpt((TOKENS + 1,), 256, n_layer=args.layers, n_head=args.heads, n_embd=args.embd).to(device)
     job = JobConfig.from_dict({"name": "stall", "optimizer": {"name": "adamw", "lr": 1e-4},
                                "checkpoint": {"keep": 1, "metric": "train_loss", "mode": "min"}})
     optimizer = build_optimizer(model.parameters(), job.optimizer, 1)
     state = TrainState(model, optimizer, build_schedule(optimizer, job.schedule, 1000, 10), None)
-    tokens = torch.randint(0, 256, (1, TOKENS + 1))
+    tokens = torch.randint(0, 256, (1, TOKENS + 1), device=device)
 
     def train_step() -> float:
         start = time.perf_counter()
-        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[0, 1:]).backward()
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[0, 1:])
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         state.step += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     train_step()
     tensors = [*model.state_dict().values(), *(t for s in optimizer.state.values() for t in s.values())]
-    print(f"gpt {args.layers} x {args.embd}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{device}: gpt {args.layers} x {args.embd}: {params:.1f}M parameters, "
           f"AdamW, {sum(t.numel() * t.element_size() for t in tensors) / 2**30:.2f} GiB of state; "
           f"{torch.get_num_threads()} torch threads; {args.checkpoints} checkpoints of each kind to each target, "
           f"{args.steps} step(s) after each")
 
     scratch = tempfile.mkdtemp(prefix="raytrain-stall-")
-    proc, store = start_moto(os.path.join(scratch, "moto.log"))
-    os.environ.update(store.env)
+    targets = {"local disk": os.path.join(scratch, "run")}
+    proc = None
     try:
-        targets = {"local disk": os.path.join(scratch, "run"), "S3 (moto on loopback)": f"s3://{store.bucket}/run"}
-        times = {target: checkpoints(job, run_dir, scratch, state, train_step, args)
+        if not args.local_only:
+            from tests.objectstore import start_moto
+
+            proc, store = start_moto(os.path.join(scratch, "moto.log"))
+            os.environ.update(store.env)
+            targets["S3 (moto on loopback)"] = f"s3://{store.bucket}/run"
+        times = {target: checkpoints(job, run_dir, scratch, state, train_step, args, device)
                  for target, run_dir in targets.items()}
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
         shutil.rmtree(scratch, ignore_errors=True)
 
     print("| target | sync stall s | async stall s | async / sync | goal | async write s (background) | "
@@ -104,10 +118,11 @@ def main() -> None:
               f"{m['sync step']:.2f} | {m['async step']:.2f} |")
 
 
-def checkpoints(job: JobConfig, run_dir: str, scratch: str, state: TrainState, train_step, args) -> dict[str, list]:
+def checkpoints(job: JobConfig, run_dir: str, scratch: str, state: TrainState, train_step, args,
+                device: torch.device) -> dict[str, list]:
     """`--checkpoints` of each kind into `run_dir`, sync and async in turn: each kind's stalls,
     write times, and the first step's time after each."""
-    w = Worker(job, run_dir, 0, 1, "bench", torch.device("cpu"),
+    w = Worker(job, run_dir, 0, 1, "bench", device,
                Reporter(queue.Queue(), 0, os.path.join(scratch, "logs"), False), {}, local=True)
     about = {"config": job.to_dict()}
     background = Background(w)

@@ -13,6 +13,10 @@
 #   bash benchmarks/gpu_check.sh local        # local mode and --smoke on the GPU against Ray,
 #                                             # evaluate/predict --local timed, PowerSGD on CUDA
 #                                             # with a SIGKILLed worker, LeNet's compiled step
+#   bash benchmarks/gpu_check.sh round3       # async checkpoints of gpt 12 x 768 on the GPU, a
+#                                             # hung rank on CUDA tensors (2 workers x 0.5 GPU on
+#                                             # Ray, Gloo) with its flight-recorder dumps, and a
+#                                             # torchrun script on CUDA: torchrun, local mode, Ray
 #
 # `paths`: NCCL at one worker in bf16 (auto precision), fp16 with GradScaler and clipping,
 # compile reduce-overhead (CUDA graphs) with the data on the device, and 2 NCCL workers sharing
@@ -142,14 +146,17 @@ same = sum(a == b for a, b in zip(cuda[col], cpu[col]))
 print(f"predictions on CUDA and on CPU agree on {same} of {len(cuda[col])} rows ({col})")
 PY
   echo "== streaming Parquet into a GPU run against the same data read whole onto the GPU (ResNet-18, bf16)"
-  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import stream_parquet as s; \
-s.write_dataset('/tmp/cifar-like', 100_000, 16, 1024, 0)"
-  for variant in "streaming --set data.args.streaming=true --set data.args.buffer_rows=16384" \
-                 "on-device --set data.on_device=on"; do
-    name=${variant%% *}
+  for layout in binary list; do  # images as `convert images` writes them now, and as it wrote them before
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import stream_parquet as s; \
+s.write_dataset('/tmp/cifar-like-$layout', 100_000, 16, 1024, 0, '$layout')"
+  done
+  for variant in "streaming:binary --set data.args.streaming=true --set data.args.buffer_rows=16384" \
+                 "streaming:list --set data.args.streaming=true --set data.args.buffer_rows=16384" \
+                 "on-device:binary --set data.on_device=on"; do
+    run=${variant%% *}; name=${run/:/-}; layout=${run#*:}
     echo "== $name"
     python3 -m raytrain_app.cli train examples/digits.yaml --workers 1 --gpus-per-worker 1 --run-dir "/tmp/runs/$name" \
-      --set model.name=resnet18 --set data.name=parquet --set data.args="{path: /tmp/cifar-like}" \
+      --set model.name=resnet18 --set data.name=parquet --set data.args="{path: /tmp/cifar-like-$layout}" \
       --set data.eval_fraction=0.05 --set train.epochs=3 --set train.batch_size=512 ${variant#* }
     echo "exit $?"
     python3 - "/tmp/runs/$name" <<'PY'
@@ -200,4 +207,29 @@ PY
     --steps 100 --rounds 5 --repeats 5 --compile reduce-overhead --on-device on
   ;;
 *) echo "usage: gpu_check.sh [paths|throughput|fsdp|data|local]" >&2; exit 2 ;;
+round3)
+  echo "== checkpoint_stall.py on the GPU: gpt 12 x 768, bf16 autocast, AdamW; sync against async, local disk"
+  python3 benchmarks/checkpoint_stall.py --device cuda --local-only --checkpoints 3 --steps 3
+  echo "== hang_detection.py: rank 1 stalls in its forward; 2 workers x 0.5 GPU on Ray (Gloo on CUDA tensors)"
+  python3 benchmarks/hang_detection.py --ray --set scaling.gpus_per_worker=0.5
+  echo "== a torchrun script on CUDA (NCCL, 1 rank): torchrun, then train in local mode, then on Ray"
+  since() { python3 -c "import time; print(f'{time.time() - $1:.1f}')"; }
+  t=$(date +%s.%N); torchrun --standalone --nproc_per_node 1 examples/torchrun_script/train.py --epochs 2 | tail -n 2
+  echo "   torchrun: exit ${PIPESTATUS[0]} in $(since "$t") s"
+  for mode in --local --ray; do
+    t=$(date +%s.%N)
+    python3 -m raytrain_app.cli train examples/torchrun_script/train.py --workers 1 --gpus-per-worker 1 $mode \
+      --run-dir "/tmp/runs/script$mode" -- --epochs 2 | grep "^epoch"
+    echo "   train $mode: exit ${PIPESTATUS[0]} in $(since "$t") s"
+  done
+  if python3 -c "import transformers" 2>/dev/null; then
+    echo "== the HF Trainer pattern on CUDA: torchrun against train --local, the same losses"
+    torchrun --standalone --nproc_per_node 1 tests/scripts/hf_trainer.py /tmp/hf-torchrun | grep "^step" > /tmp/hf-a
+    python3 -m raytrain_app.cli train tests/scripts/hf_trainer.py --workers 1 --gpus-per-worker 1 --local \
+      --run-dir /tmp/runs/hf -- /tmp/hf-ours | grep "^step" > /tmp/hf-b
+    cmp /tmp/hf-a /tmp/hf-b && echo "   the same $(wc -l < /tmp/hf-a) losses"
+  else
+    echo "== (transformers is not installed here: the HF Trainer pattern is not run)"
+  fi
+  ;;
 esac

@@ -68,6 +68,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--at", type=int, default=40, help="rank 1's training forward call that hangs")
     p.add_argument("--ray", action="store_true", help="on an embedded Ray cluster instead of local mode")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="more of the run's settings (on a GPU: scaling.gpus_per_worker=0.5, two workers on one)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="hang-bench-") as scratch:
         marker, run_dir = os.path.join(scratch, "marker"), os.path.join(scratch, "run")
@@ -75,7 +77,8 @@ def main() -> None:
         command = [sys.executable, "-m", "raytrain_app.cli", "train", "examples/digits.yaml", "--run-dir", run_dir,
                    "--set", "train.epochs=3", "--set", "checkpoint.every_steps=5", "--set", "failure.max_failures=1",
                    "--set", "model.name=benchmarks.hang_detection:stalling",
-                   "--set", f"model.args={{marker: '{marker}', at: {args.at}}}", *(["--ray"] if args.ray else [])]
+                   "--set", f"model.args={{marker: '{marker}', at: {args.at}}}", *(["--ray"] if args.ray else []),
+                   *(word for setting in args.set for word in ("--set", setting))]
         proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         said_at = None
         for line in proc.stdout:
@@ -90,6 +93,12 @@ def main() -> None:
         firsts = re.findall(r"^(\S+ \S+) INFO first step of this group", log, re.M)
         next_step = datetime.datetime.strptime(firsts[-1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
         timeout = re.search(r"made no progress for (\d+)s", open(os.path.join(run_dir, "restarts.jsonl")).read())
+        logs = os.path.join(run_dir, "logs")
+        recorded = [line.strip() for name in sorted(os.listdir(logs)) if name.startswith("hang-")
+                    for line in open(os.path.join(logs, name)) if "collectives enqueued" in line]
+        dumps = sorted(os.listdir(os.path.join(logs, "flight-recorder"))) if os.path.isdir(
+            os.path.join(logs, "flight-recorder")) else []
+    print("flight recorder: " + ("; ".join(recorded) or "no lines") + f" (dumps: {', '.join(dumps) or 'none'})")
     print(f"detection: {said_at - stopped_at:.1f}s after the rank stopped (it had been still {timeout.group(1)}s; "
           f"target: the timeout + 15 s)")
     print(f"next step: {next_step - said_at:.1f}s after the hang was said (a fresh group, restored from the latest "

@@ -11,11 +11,14 @@ per batch (`x.float().mean()`), so the reading is what is timed:
     streaming     data.args.streaming: true, buffer_rows rows a window
     whole         the files read whole into memory (the default)
 
-at the base size, and both again at the scaled size. Each worker reports the rows it took, its
-time to build the datasets and to run the epoch, rows/s, its resident memory right after the
-imports (the baseline, from psutil) and its peak (`ru_maxrss`); the data's share is peak minus
-baseline. The table gives medians over `--repeats` runs of both ranks, the streaming/whole
-ratios, and checks that a streaming worker's memory above the baseline stays under a bound that
+at the base size, and both again at the scaled size; with `--layout both`, each dataset is
+written twice, its images as fixed-size binary (as `raytrain-app convert images` writes them)
+and as fixed_size_list<uint8> (as it wrote them before), and every variant runs on each. Each
+worker reports the rows it took, its time to build the datasets and to run the epoch, rows/s,
+its resident memory right after the imports (the baseline, from psutil) and its peak
+(`ru_maxrss`); the data's share is peak minus baseline. The table gives medians over `--repeats`
+runs of both ranks, the streaming/whole ratios, and checks that a streaming worker's memory
+above the baseline stays under a bound that
 follows from stream.py's design and does not depend on the dataset's size (exit 1 if not):
 
     bound = 6 x window_bytes + 22 x READ_ROWS x pixel_bytes + 4 x NORM_ROWS x pixel_bytes + 96 MiB
@@ -37,6 +40,7 @@ follows from stream.py's design and does not depend on the dataset's size (exit 
     python benchmarks/stream_parquet.py                         # 40,000 rows (117 MiB decoded), buffer 4,096 rows
     python benchmarks/stream_parquet.py --rows 100000 --buffer-rows 8192 --repeats 3
     python benchmarks/stream_parquet.py --dir /data/bench        # keep the files (reused when they match)
+    python benchmarks/stream_parquet.py --scale 1 --world 1 --layout both   # the two image layouts, one rank
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ DECODE_FACTOR = 22  # pyarrow's peak allocation decoding fixed_size_list<uint8>,
 # ---- the dataset --------------------------------------------------------------------------------
 
 
-def write_dataset(out: str, rows: int, files: int, group_rows: int, seed: int) -> None:
+def write_dataset(out: str, rows: int, files: int, group_rows: int, seed: int, layout: str) -> None:
     """`rows` random images in `files` files of row groups of `group_rows` rows, with the metadata
     the reader takes its columns and shape from. Skipped when `out` holds this dataset already."""
     import numpy as np
@@ -71,21 +75,25 @@ def write_dataset(out: str, rows: int, files: int, group_rows: int, seed: int) -
     import pyarrow.parquet as pq
 
     stamp = os.path.join(out, "_dataset.json")  # "_" files are not read as data
-    spec = {"rows": rows, "files": files, "group_rows": group_rows, "seed": seed, "shape": list(SHAPE)}
+    spec = {"rows": rows, "files": files, "group_rows": group_rows, "seed": seed, "shape": list(SHAPE),
+            "layout": layout}
     if os.path.exists(stamp):
         with open(stamp) as fh:
             if json.load(fh) == spec:
                 return
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    schema = pa.schema([("image", pa.list_(pa.uint8(), PIXELS)), ("label", pa.int64())]).with_metadata({
+    image_type = pa.binary(PIXELS) if layout == "binary" else pa.list_(pa.uint8(), PIXELS)
+    schema = pa.schema([("image", image_type), ("label", pa.int64())]).with_metadata({
         b"raytrain.shape": json.dumps(list(SHAPE)).encode(), b"raytrain.features": b'"image"',
         b"raytrain.label": b"label",  # plain text, as `raytrain-app convert` writes it and the reader reads it
         b"raytrain.num_classes": b"10"})
     rng = np.random.default_rng(seed)
     for f in range(files):
         n = rows // files + (f < rows % files)
-        images = pa.FixedSizeListArray.from_arrays(pa.array(rng.integers(0, 256, n * PIXELS, dtype=np.uint8)), PIXELS)
+        pixels = rng.integers(0, 256, n * PIXELS, dtype=np.uint8)
+        images = (pa.Array.from_buffers(image_type, n, [None, pa.py_buffer(pixels.tobytes())]) if layout == "binary"
+                  else pa.FixedSizeListArray.from_arrays(pa.array(pixels), PIXELS))
         table = pa.Table.from_arrays([images, pa.array(rng.integers(0, 10, n))], schema=schema)
         with pq.ParquetWriter(os.path.join(out, f"part-{f:05d}.parquet"), schema, compression="zstd") as w:
             w.write_table(table, row_group_size=group_rows)
@@ -161,6 +169,8 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2, help="worker processes per variant, run side by side")
     p.add_argument("--repeats", type=int, default=2, help="rounds; each runs every variant once, alternating")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (Ray gives a 1-CPU worker 1)")
+    p.add_argument("--layout", choices=["binary", "list", "both"], default="binary",
+                   help="the image column: fixed-size binary (as convert writes it), fixed_size_list<uint8>, or both")
     p.add_argument("--dir", help="write the datasets here and keep them (default: a temporary directory, removed)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -182,17 +192,20 @@ def main() -> None:
         p.error(f"--rows {args.rows:,} is less than 4 streaming windows ({window_rows:,} rows each): "
                 "streaming would hold about as much as the whole dataset")
     root = args.dir or tempfile.mkdtemp(prefix="stream-parquet-")
-    sizes = {1: args.rows} | ({args.scale: args.rows * args.scale} if args.scale > 1 else {})
+    counts = {1: args.rows} | ({args.scale: args.rows * args.scale} if args.scale > 1 else {})
+    layouts = ["binary", "list"] if args.layout == "both" else [args.layout]
+    sizes = {f"x{k}" + (f" {layout}" if len(layouts) > 1 else ""): (k, n, layout)
+             for layout in layouts for k, n in counts.items()}
     started = time.perf_counter()
     try:
         dirs = {}
-        for k, n in sizes.items():
-            dirs[k] = os.path.join(root, f"rows-{n}")
-            write_dataset(dirs[k], n, args.files * k, args.group_rows, seed=k)
+        for key, (k, n, layout) in sizes.items():
+            dirs[key] = os.path.join(root, f"rows-{n}-{layout}")
+            write_dataset(dirs[key], n, args.files * k, args.group_rows, seed=k, layout=layout)
         print(f"data written in {time.perf_counter() - started:.0f}s under {root}")
         runs = {(v, k): [] for k in sizes for v in VARIANTS}
         for r in range(args.repeats):
-            # A, B, A, B within each size; the variant that goes first alternates between rounds.
+            # A, B, A, B within each dataset; the variant that goes first alternates between rounds.
             order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
             for k in sizes:
                 for v in order:
@@ -200,7 +213,7 @@ def main() -> None:
                             "batch": args.batch, "world": args.world, "threads": args.threads}
                     runs[v, k] += run_variant(spec, args.world)
                     last = runs[v, k][-args.world:]
-                    print(f"  round {r + 1}, {v:<9} x{k}: " + ", ".join(
+                    print(f"  round {r + 1}, {v:<9} {k}: " + ", ".join(
                         f"rank {w['rank']} {w['rows'] / w['epoch_s']:,.0f} rows/s, "
                         f"+{(w['peak'] - w['baseline']) / MiB:.0f} MiB" for w in last), flush=True)
     finally:
@@ -222,8 +235,8 @@ def main() -> None:
     print(f"\n{os.cpu_count()} CPUs, torch {torch.__version__}, pyarrow {pa.__version__}; {args.world} worker "
           f"processes side by side per variant, batch {args.batch}, {args.threads} torch thread(s) each; "
           f"{args.repeats} rounds, medians over rounds and ranks")
-    for k, n in sizes.items():
-        print(f"dataset x{k}: {n:,} rows in {args.files * k} files, row groups of {args.group_rows} rows, "
+    for key, (k, n, _) in sizes.items():
+        print(f"dataset {key}: {n:,} rows in {args.files * k} files, row groups of {args.group_rows} rows, "
               f"{n * ROW_BYTES / MiB:,.0f} MiB decoded ({ROW_BYTES:,} B a row) = "
               f"{n * ROW_BYTES / window_bytes:.1f}x a streaming window")
     print(f"streaming window: {window_rows:,} rows = {window_bytes / MiB:.1f} MiB decoded (buffer_rows "
@@ -232,7 +245,7 @@ def main() -> None:
     for k in sizes:
         for v in VARIANTS:
             ws = runs[v, k]
-            rows.append([f"{v} x{k}", f"{med(ws, lambda w: w['rows']):,.0f}", f"{med(ws, lambda w: w['build_s']):.2f}",
+            rows.append([f"{v} {k}", f"{med(ws, lambda w: w['rows']):,.0f}", f"{med(ws, lambda w: w['build_s']):.2f}",
                          f"{med(ws, epoch_rate):,.0f}", f"{med(ws, total_rate):,.0f}",
                          f"{med(ws, lambda w: w['peak']) / MiB:,.0f}", f"{med(ws, above) / MiB:,.0f}",
                          f"{max(above(w) for w in ws) / MiB:,.0f}"])
@@ -240,13 +253,22 @@ def main() -> None:
                  "above baseline MiB", "max above baseline MiB"], rows)
     for k in sizes:
         s, w = runs["streaming", k], runs["whole", k]
-        print(f"x{k} streaming/whole: rows/s {med(s, total_rate) / med(w, total_rate):.2f}x (build + epoch), "
+        print(f"{k} streaming/whole: rows/s {med(s, total_rate) / med(w, total_rate):.2f}x (build + epoch), "
               f"{med(s, epoch_rate) / med(w, epoch_rate):.2f}x (epoch alone); memory above baseline "
               f"{med(s, above) / med(w, above):.2f}x")
-    if len(sizes) > 1:
-        k = args.scale
+    for layout in layouts if args.scale > 1 else []:
+        small, big = (next(key for key, (k, _, lay) in sizes.items() if k == want and lay == layout)
+                      for want in (1, args.scale))
         for v in VARIANTS:
-            print(f"{v}: memory above baseline at x{k} / x1 = {med(runs[v, k], above) / med(runs[v, 1], above):.2f}x")
+            print(f"{v} ({layout}): memory above baseline at {big} / {small} = "
+                  f"{med(runs[v, big], above) / med(runs[v, small], above):.2f}x")
+    if len(layouts) > 1:
+        for key, (k, _, layout) in sizes.items():
+            if layout == "binary":
+                other = next(o for o, (ko, _, lo) in sizes.items() if ko == k and lo == "list")
+                for v in VARIANTS:
+                    ratio = med(runs[v, key], epoch_rate) / med(runs[v, other], epoch_rate)
+                    print(f"{v} x{k}: binary/list rows/s {ratio:.2f}x (epoch alone)")
     worst = max(above(w) for k in sizes for w in runs["streaming", k])
     held = worst <= bound
     print("bound: " + " + ".join(f"{name} {b / MiB:.0f}" for name, b in terms.items()) + f" = {bound / MiB:.0f} MiB; "

@@ -34,8 +34,9 @@ RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test
 # The costliest cluster joins, marked `soak` (their slow tests; benchmarks/suite_cpu.py counts them):
 # multi-node jobs, preemptions and drains, SLURM requeues, sweeps with Ctrl-C, Ray Data kills, a
 # cluster built without raytrain-app, hangs at the default timeout, kill-and-resume on Ray. So is
-# the Ray variant of a test parametrized by engine: its local-mode variant checks the same
-# feature. The README's test command runs `-m "not soak"`; CI runs `-m soak` after it.
+# every test on the session's Ray cluster (the Ray variant of a test parametrized by engine among
+# them: its local-mode variant checks the same feature), so that the other tier starts none. The
+# README's test command runs `-m "not soak"`; CI runs `-m soak` after it.
 SOAK_MODULES = {"test_submit", "test_preemption", "test_slurm", "test_sweep", "test_reliability", "test_hangs",
                 "test_raydata", "test_shutdown", "test_two_hosts", "test_bare_cluster"}
 
@@ -59,8 +60,7 @@ def pytest_collection_modifyitems(items):
         if on_cluster or _module(item) in RAY_MODULES:
             item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.slow)
-        engine = getattr(item, "callspec", None) and item.callspec.params.get("engine")
-        if engine == "ray" or _module(item) in SOAK_MODULES and item.get_closest_marker("slow"):
+        if on_cluster or _module(item) in SOAK_MODULES and item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.soak)
     items.sort(key=lambda item: _start_order(_module(item)))
 

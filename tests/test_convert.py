@@ -9,11 +9,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 from raytrain_app.config.sections import DataConfig
 from raytrain_app.data import build_datasets
 from raytrain_app.data.parquet import read_table
+from raytrain_app.data.parquet_files import feature_matrix
 from raytrain_app.errors import UserError
 from tests.commands import Finished, command
 from tests.conftest import REPO
@@ -62,14 +64,12 @@ def parts(out: Path) -> list[Path]:
 
 
 def rows(out: Path) -> list[tuple[bytes, int]]:
-    """Every (image, label) row of the output, in file and row order."""
+    """Every (image, label) row of the output, in file and row order: pyarrow's own reading of
+    each image's bytes (the column is fixed-size binary)."""
     found = []
     for part in parts(out):
         table = pq.read_table(part)
-        images = table.column("image").combine_chunks().flatten().to_numpy()
-        width = table.schema.field("image").type.list_size
-        found += [(images[i * width:(i + 1) * width].tobytes(), label)
-                  for i, label in enumerate(table.column("label").to_pylist())]
+        found += list(zip(table.column("image").to_pylist(), table.column("label").to_pylist()))
     return found
 
 
@@ -98,7 +98,7 @@ def test_an_image_folder_becomes_sharded_files_with_every_image_once(images):
 
     schema = pq.read_schema(files[0])
     assert all(pq.read_schema(f).equals(schema, check_metadata=True) for f in files)
-    assert schema.field("image").type == pa.list_(pa.uint8(), 3 * 8 * 8)
+    assert schema.field("image").type == pa.binary(3 * 8 * 8)  # plain bytes: no repetition levels to decode
     assert schema.field("label").type == pa.int64()
     meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}
     assert meta == {"raytrain.features": '"image"', "raytrain.label": "label", "raytrain.shape": "[3, 8, 8]",
@@ -115,7 +115,7 @@ def test_grey_images_have_one_channel(tmp_path):
     converted("images", tmp_path / "tree", tmp_path / "out", *SHARDING, "--grey")
     schema = pq.read_schema(parts(tmp_path / "out")[0])
     assert schema.metadata[b"raytrain.shape"] == b"[1, 8, 8]"
-    assert schema.field("image").type == pa.list_(pa.uint8(), 8 * 8)
+    assert schema.field("image").type == pa.binary(8 * 8)
     assert sorted(rows(tmp_path / "out")) == sorted((expected_pixels(p, grey=True), label)
                                                     for p, label in labels.items())
 
@@ -136,7 +136,38 @@ def test_the_project_reader_loads_a_converted_file(images):
     table = pq.read_table(first)
     assert tuple(x.shape) == (8, 3, 8, 8)
     assert y.tolist() == table.column("label").to_pylist()
-    assert x.numpy().tobytes() == table.column("image").combine_chunks().flatten().to_numpy().tobytes()
+    assert x.dtype == torch.uint8 and x.numpy().tobytes() == b"".join(table.column("image").to_pylist())
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_binary_layout_and_older_list_files_read_as_the_same_images(tmp_path, streaming):
+    """The same pixels stored both ways, as `convert images` writes them now (fixed-size binary)
+    and as it wrote them before (fixed_size_list<uint8>): read whole or streamed, the same tensors."""
+    rng = np.random.default_rng(3)
+    pixels, labels = rng.integers(0, 256, (50, 3 * 4 * 4), dtype=np.uint8), rng.integers(0, 4, 50)
+    meta = {"raytrain.features": '"image"', "raytrain.label": "label", "raytrain.shape": "[3, 4, 4]"}
+    layouts = {"binary": pa.Array.from_buffers(pa.binary(48), 50, [None, pa.py_buffer(pixels.tobytes())]),
+               "list": pa.FixedSizeListArray.from_arrays(pa.array(pixels.ravel()), 48)}
+    read = {}
+    for name, column in layouts.items():
+        (tmp_path / name).mkdir()
+        table = pa.table({"image": column, "label": labels}).replace_schema_metadata(meta)
+        pq.write_table(table, tmp_path / name / "part.parquet", row_group_size=16)
+        data = build_datasets(DataConfig(name="parquet", args={"path": str(tmp_path / name), "streaming": streaming,
+                                                               "eval_fraction": 0.2}))
+        if streaming:  # every row, and a window that starts inside a row group (a slice of its batch)
+            order = range(len(data.train.groups))
+            read[name] = [data.train.decode(data.train.read_rows(order, lo, hi)) for lo, hi in
+                          ((0, len(data.train)), (5, 12))]
+        else:
+            read[name] = [data.train]
+        batch = pa.record_batch([column, pa.array(labels)], names=["image", "label"]).slice(5, 7)  # as `predict` reads
+        assert feature_matrix(batch, "image", name).tobytes() == pixels[5:12].tobytes()
+    for binary, listed in zip(read["binary"], read["list"], strict=True):
+        assert len(binary) == len(listed) >= 7
+        for i in range(len(listed)):
+            (xb, yb), (xl, yl) = binary[i], listed[i]
+            assert torch.equal(xb, xl) and int(yb) == int(yl)
 
 
 def test_the_project_reader_finds_columns_and_shape_in_the_metadata(images, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -93,3 +94,30 @@ def test_the_readme_is_short_and_links_into_the_docs():
     assert len(readme.splitlines()) <= 150
     linked = re.findall(r"\]\((docs/[^)#]+)", readme)
     assert linked and all(os.path.exists(os.path.join(REPO, path)) for path in linked), linked
+
+
+def console_shape(text: str) -> list[list[str]]:
+    """Each line's words, with what differs from run to run (numbers, durations, paths, the rules'
+    widths, which follow the paths') as N, PATH and RULE."""
+    shapes = []
+    for line in text.strip().splitlines():
+        line = re.sub(r"^-+$", "RULE", re.sub(r"/\S+", "PATH", line))
+        line = re.sub(r"[-+~]?\d[\d,]*(\.\d+)?(e[-+]?\d+)?", "N", line)
+        shapes.append(line.split())
+    return shapes
+
+
+@pytest.mark.slow
+def test_the_console_the_readme_shows_is_what_its_command_prints(tmp_path):
+    """The README's 30-second example, run as written (but into a fresh run directory): the same
+    lines in the same order, numbers, durations and paths aside."""
+    from tests.commands import command
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    shown_command, shown = re.search(r"```bash\n(raytrain-app train [^\n]+)\n```\s*```text\n(.*?)```", readme,
+                                     re.S).groups()
+    args = shlex.split(shown_command)[1:]
+    args[args.index("--run-dir") + 1] = str(tmp_path / "run")
+    done = command(args, REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert console_shape(done.stdout + done.stderr) == console_shape(shown), done.stdout + done.stderr

@@ -122,7 +122,10 @@ def images(root: Path, out_dir: Path, size: int = 32, grey: bool = False, seed: 
     random.Random(seed).shuffle(samples)  # paths only: pixels are read a row group at a time
 
     mode, channels = ("L", 1) if grey else ("RGB", 3)
-    image_type = pa.list_(pa.uint8(), channels * size * size)
+    # Each image's pixels as one fixed-size binary value: Parquet stores them as plain bytes,
+    # which decode without the repetition levels a list<uint8> column carries for every pixel
+    # (`parquet_files.feature_matrix` reads both).
+    image_type = pa.binary(channels * size * size)
     schema = pa.schema([("image", image_type), ("label", pa.int64())],
                        metadata=metadata(features=json.dumps("image"), label="label", shape=[channels, size, size],
                                          num_classes=len(classes), classes=classes, source=f"imagefolder:{root}"))
@@ -140,8 +143,8 @@ def images(root: Path, out_dir: Path, size: int = 32, grey: bool = False, seed: 
         start = 0
         while start < len(samples):
             chunk = samples[start:start + group_size(start, row_group_rows, rows_per_file)]
-            values = pa.array(np.stack([pixels(path) for path, _ in chunk]).ravel())
-            yield pa.record_batch([pa.FixedSizeListArray.from_arrays(values, type=image_type),
+            values = pa.py_buffer(np.stack([pixels(path) for path, _ in chunk]).tobytes())
+            yield pa.record_batch([pa.Array.from_buffers(image_type, len(chunk), [None, values]),
                                    pa.array([label for _, label in chunk], pa.int64())], schema=schema)
             start += len(chunk)
 

@@ -255,6 +255,11 @@ def feature_matrix(rows: Union[pa.Table, pa.RecordBatch], features: Union[str, l
     return np.stack([_scalar_column(whole(c), path, c) for c in features], axis=1)
 
 def _column_matrix(col: pa.Array, path: str, name: str) -> np.ndarray:
+    if pa.types.is_fixed_size_binary(col.type):  # bytes: uint8 values (images, as `convert images` writes them)
+        if col.null_count:
+            raise UserError(f"{path}: column '{name}' has empty (null) rows")
+        width = col.type.byte_width
+        return np.frombuffer(col.buffers()[1], np.uint8, len(col) * width, col.offset * width).reshape(len(col), width)
     if pa.types.is_fixed_size_list(col.type):
         width = col.type.list_size
     elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
