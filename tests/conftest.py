@@ -31,14 +31,11 @@ RAY_MODULES = {"test_submit", "test_slurm", "test_sweep", "test_shutdown", "test
                "test_raydata", "test_scripts", "test_rayinternals", "test_preemption", "test_bare_cluster"}
 
 
-# The costliest cluster joins, marked `soak` (their slow tests; benchmarks/suite_cpu.py counts them):
-# multi-node jobs, preemptions and drains, SLURM requeues, sweeps with Ctrl-C, Ray Data kills, a
-# cluster built without raytrain-app, hangs at the default timeout, kill-and-resume on Ray. So is
-# every test on the session's Ray cluster (the Ray variant of a test parametrized by engine among
-# them: its local-mode variant checks the same feature), so that the other tier starts none. The
-# README's test command runs `-m "not soak"`; CI runs `-m soak` after it.
-SOAK_MODULES = {"test_submit", "test_preemption", "test_slurm", "test_sweep", "test_reliability", "test_hangs",
-                "test_raydata", "test_shutdown", "test_two_hosts", "test_bare_cluster"}
+# The `soak` tier: every slow test (the Ray ones among them) but the docs' own, which run every
+# command and code block the documentation shows. Its tests are the costliest joins (clusters,
+# restarts, kills, preemptions, SLURM, sweeps): CI runs `-m soak` after the README's test
+# command, `-m "not soak"`, which runs the fast tests and the docs' in about 10 minutes.
+DOCS_MODULES = {"test_shown_commands", "test_docs"}
 
 
 # The suite runs in two processes (pytest-xdist, `-n 2 --dist loadfile`: a module's tests, and its fixtures,
@@ -60,7 +57,7 @@ def pytest_collection_modifyitems(items):
         if on_cluster or _module(item) in RAY_MODULES:
             item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.slow)
-        if on_cluster or _module(item) in SOAK_MODULES and item.get_closest_marker("slow"):
+        if item.get_closest_marker("slow") and _module(item) not in DOCS_MODULES:
             item.add_marker(pytest.mark.soak)
     items.sort(key=lambda item: _start_order(_module(item)))
 

@@ -278,7 +278,6 @@ def test_a_stop_requests_checkpoint_and_the_last_are_whole_before_the_processes_
     assert opened(lambda name: (Path(path) / name).read_bytes())["step"] == 46
 
 
-@pytest.mark.soak
 def test_on_ray_trains_upload_thread_writes_the_checkpoints_and_the_run_is_bitwise_a_sync_one(ray_cluster, sync_run,
                                                                                               s3, tmp_path):
     """On Ray because Ray Train's own asynchronous upload is what is used there: into the

@@ -216,7 +216,6 @@ def test_a_restarted_process_goes_on_with_powersgd_bitwise_at_2_workers_within_r
 
 
 @pytest.mark.slow
-@pytest.mark.soak
 def test_a_killed_worker_resumes_bitwise_with_powersgd_and_another_world_size_restarts_its_errors(tmp_path,
                                                                                                    monkeypatch):
     """PowerSGD's factors and step count (rank 0's) and each rank's error feedback are in the

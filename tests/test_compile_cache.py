@@ -38,7 +38,6 @@ def resume(config, run_dir, epochs: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.soak
 def test_a_restart_where_nothing_was_compiled_takes_every_graph_from_the_runs_compile_cache(tmp_path, monkeypatch):
     # Ten batches an epoch, all of one shape: the graphs the test needs, without the ones a short
     # last batch would add.

@@ -69,7 +69,6 @@ def as_user(user: str, home, cwd, *args) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.soak
 def test_two_users_bring_up_one_profile_without_colliding(users):
     root, homes = users
     up = {user: as_user(user, homes[user], root, "cluster", "up", "shared.yaml") for user in USERS}

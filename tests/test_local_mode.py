@@ -86,7 +86,6 @@ def test_a_killed_worker_process_restarts_the_group_and_resumes_bitwise(tmp_path
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
-@pytest.mark.soak
 def test_a_run_started_in_one_mode_resumes_bitwise_in_the_other(ray_cluster, tmp_path):
     """On Ray because the join is with Ray Train's own index of checkpoints, which each mode keeps
     for the other. One run, three attempts: it crashes in epoch 2 under local mode, `--resume`s

@@ -77,7 +77,8 @@ def two_nodes(cluster):
 
 def wait_for_both_cpus(profile) -> None:
     """Until both nodes' CPUs are free: a node joined, and no placement group is left."""
-    dashboard, deadline = Dashboard.for_profile(profile), time.monotonic() + 300  # (a node joins slowly on CI's busy cores)
+    # (a node may take minutes to join on CI's busy cores)
+    dashboard, deadline = Dashboard.for_profile(profile), time.monotonic() + 300
     while sum(node["CPU"] for node in dashboard.free().values()) < 2:
         assert time.monotonic() < deadline, dashboard.free()
         time.sleep(0.5)

@@ -257,7 +257,6 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_leaves_nothing_partial_and_resu
 
 
 @pytest.mark.slow
-@pytest.mark.soak
 def test_the_compile_caches_archive_gives_way_to_a_checkpoint_on_a_full_disk(small_disk, tmp_path, monkeypatch):
     """1.25 MB: room for two checkpoints of the digits LeNet (0.53 MB each on a tmpfs, the second
     written before the first is pruned), not for both and the compile cache's archive (0.3 MB)

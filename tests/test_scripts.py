@@ -99,7 +99,6 @@ def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environmen
     assert rows == [{"report": 1, "rank_value": 0.5, "name": "rank 0"}]  # numbers averaged, others rank 0's
 
 
-@pytest.mark.soak
 def test_a_hung_rank_of_a_script_is_named_from_its_stack_and_the_group_restarts(tmp_path, engine):
     """Rank 1 sleeps mid-epoch: its stack stops changing and it prints nothing, while rank 0
     waits in its backward, for DDP's all-reduce (a collective, not the culprit)."""
@@ -206,7 +205,6 @@ def test_a_driver_killed_outright_leaves_no_script_process_behind(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.soak
 def test_the_hf_trainer_pattern_gives_torchrun_losses_and_its_native_warnings_are_shown(tmp_path, engine):
     """A tiny GPT-2 under HF's Trainer, with its SIGTERM checkpoint handler (main thread only), gives
     the losses `torchrun` gives; DDP's C++ warning reaches the console and the rank's log."""
