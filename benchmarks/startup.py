@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,9 @@ def main() -> None:
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     torchrun_first_step: list[float] = []  # seconds from the command's start, as startup.json's total
+    # A SIGTERM (a `timeout`, a kill) ends the run through the `finally` below, as Ctrl-C does: a
+    # `cluster up` cluster left running would be joined by every later `train` on this machine.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     subprocess.run(app + ["cluster", "up", "cluster/local.yaml"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     try:
         for r in range(args.rounds):
