@@ -22,6 +22,7 @@ ends (`Served`; in local mode the driver starts and serves every rank itself, `d
 
 from __future__ import annotations
 
+import abc
 import collections
 import os
 import queue
@@ -193,7 +194,7 @@ class Relay:
                     self.requests.put((connection, message))
 
 
-class Served:
+class Served(abc.ABC):
     """One script process, served until it ends (see the module's docstring). What a report, a
     `latest_checkpoint` call and a stop request are is the serving process's: `RayRank` here,
     `driver/scripts.LocalRank` in local mode."""
@@ -264,15 +265,17 @@ class Served:
         last = re.sub(r"^\[rank\d+\]:\s*", "", last.strip())  # torch's prefix on an exception's lines
         return f"{self.script['path']} {what}" + (f": {last}" if last else "")
 
+    @abc.abstractmethod
     def _report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
-        raise NotImplementedError
+        """A `script_api.report` call: its row, and its checkpoint folder if it gave one."""
 
+    @abc.abstractmethod
     def _latest(self) -> Optional[str]:
-        raise NotImplementedError
+        """A `script_api.latest_checkpoint` call: the newest checkpoint's local folder, or None."""
 
+    @abc.abstractmethod
     def _stop_requested(self, now: bool) -> Optional[str]:
         """Why the script should stop, if it should (`now`: look, even if looked a moment ago)."""
-        raise NotImplementedError
 
     def _read(self, stream) -> None:
         for raw in iter(stream.readline, b""):
