@@ -24,7 +24,7 @@ import socket
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Optional
 
 from torch.distributed import TCPStore
@@ -66,7 +66,8 @@ def launch(args, config: JobConfig, restarts: int) -> None:
     reports = Reports(workers, args.run_dir, keep, reporters[0])
     stops = Stops(args.stop_flag)
     ranks = []
-    with Relays(workers) as relays:
+    with ExitStack() as stack:
+        relays = [stack.enter_context(Relay()) for _ in range(workers)]  # each rank's, open while the launch lasts
         for rank in range(workers):
             env = {**script_environment(args, relays[rank], node),
                    **torchrun_env(rank, rank, workers, workers, 0, ("127.0.0.1", store.port), restarts, args.job)}
@@ -138,22 +139,6 @@ class LocalRank(Served):
 
     def _stop_requested(self, now: bool) -> Optional[str]:
         return self.stops.reason()
-
-
-class Relays(list):
-    """Each rank's relay, open while the launch lasts."""
-
-    def __init__(self, workers: int):
-        super().__init__(Relay() for _ in range(workers))
-
-    def __enter__(self) -> "Relays":
-        for relay in self:
-            relay.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for relay in self:
-            relay.__exit__(*exc)
 
 
 class Reports:
