@@ -6,6 +6,7 @@ with token auth, its own ports, and nothing of this checkout on its path.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -47,10 +48,41 @@ def bare_venv() -> Path:
                                  capture_output=True, text=True)
             assert pip.returncode == 0, pip.stderr[-3000:]
             (venv / "ready").touch()
+        remove_old_raytrain_app(venv)  # left by a test run killed before it could clean up
     found = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u, sys; "
                             "sys.exit(u.find_spec('raytrain_app') is not None)"], cwd="/", env=bare_env(venv))
     assert found.returncode == 0, f"{venv} can import raytrain_app"
     return venv
+
+
+OLD_VERSION = "0.0.1"
+
+
+def _old_raytrain_app(venv: Path) -> list[Path]:
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    return [site / f"raytrain_app-{OLD_VERSION}.dist-info", site / "raytrain_app"]
+
+
+def remove_old_raytrain_app(venv: Path) -> None:
+    for folder in _old_raytrain_app(venv):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def old_raytrain_app(venv: Path):
+    """An old raytrain-app in the cluster's image, as `pip install raytrain-app==0.0.1` leaves it;
+    importing it fails, so a job that ran it would fail. Gone when the block ends, and, should the
+    test process be killed first, the next time the environment is asked for."""
+    info, package = _old_raytrain_app(venv)
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: raytrain-app\nVersion: {OLD_VERSION}\n")
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        f"raise ImportError('the cluster\\'s own raytrain-app {OLD_VERSION} was imported')\n")
+    try:
+        yield
+    finally:
+        remove_old_raytrain_app(venv)
 
 
 def bare_env(venv: Path, **more: str) -> dict:
@@ -70,9 +102,6 @@ class BareCluster:
     @property
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
-
-    def site_packages(self) -> Path:
-        return next((self.venv / "lib").glob("python3*/site-packages"))
 
     def stop(self) -> None:
         stop_processes([self.head.pid])

@@ -75,19 +75,13 @@ def test_a_torchrun_style_script_importing_raytrain_app_runs_there(bare, tmp_pat
 def test_another_raytrain_app_installed_there_is_replaced_by_the_jobs_own_and_said(bare, tmp_path):
     """An old raytrain-app in the cluster's image: the job runs the one it brings (the installed one
     would fail at import), and `submit` says so before sending it."""
-    site = bare.site_packages()
-    info, old = site / "raytrain_app-0.0.1.dist-info", site / "raytrain_app"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: raytrain-app\nVersion: 0.0.1\n")
-    old.mkdir()
-    (old / "__init__.py").write_text("raise ImportError('the cluster\\'s own raytrain-app 0.0.1 was imported')\n")
     runtime = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # a fresh cache of clusters' versions: the image changed
     try:
-        proc = submit("examples/digits.yaml", "--cluster", profile(bare, tmp_path), "--workers-per-node", "2",
-                      "--set", "train.epochs=1", env={**os.environ, "XDG_RUNTIME_DIR": runtime})
+        with barecluster.old_raytrain_app(bare.venv):
+            proc = submit("examples/digits.yaml", "--cluster", profile(bare, tmp_path), "--workers-per-node", "2",
+                          "--set", "train.epochs=1", env={**os.environ, "XDG_RUNTIME_DIR": runtime})
     finally:
-        for folder in (info, old, runtime):
-            shutil.rmtree(folder)
+        shutil.rmtree(runtime)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     assert (f"warning: the cluster at {bare.address} has raytrain-app 0.0.1 installed; the job brings raytrain-app "
             "0.1.0 from this machine and runs it instead\n") in proc.stderr
