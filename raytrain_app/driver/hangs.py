@@ -56,7 +56,7 @@ class HangWatch(threading.Thread):
         self._ranks: dict[int, Seen] = {}
         self._ended: set[tuple] = set()  # processes of groups that are gone: their late beats are ignored
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._closing = threading.Event()
 
     def beat(self, beat: dict) -> None:
         with self._lock:
@@ -88,11 +88,11 @@ class HangWatch(threading.Thread):
                    STEPS * max((b["p99_step_s"] or 0.0 for b in beats), default=0.0))
 
     def stop(self) -> None:
-        self._stop.set()
+        self._closing.set()
 
     def run(self) -> None:
         asked_at = 0.0
-        while not self._stop.wait(LOOK_EVERY_S):
+        while not self._closing.wait(LOOK_EVERY_S):
             hang = self.check(time.monotonic())
             if hang:
                 self._act(*hang)
