@@ -8,7 +8,8 @@ over ranks every eval sample counts exactly once whatever the dataset size.
 Batches come either from a DataLoader (host memory, optional worker processes, pinned copies)
 or, for in-memory datasets that fit, straight from the device (`DeviceBatches`): on a GPU a
 small model's step is shorter than the DataLoader's per-batch overhead, so the data moves once.
-Parquet read with `streaming: true` comes a window at a time (`StreamBatches`, in stream.py),
+Encoded images (`images`, in images.py) are decoded and augmented per sample in the DataLoader's
+worker processes. Parquet read with `streaming: true` comes a window at a time (`StreamBatches`, in stream.py),
 which shards, shuffles and resumes by itself; with `engine: ray_data`, from Ray Data (raydata.py).
 """
 
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from raytrain_app.config import registry
 from raytrain_app.config.sections import DataConfig
 from raytrain_app.data.arrays import ArrayDataset, DeviceBatches, resize_images
+from raytrain_app.data.images import CheckedBatches, EncodedImages, images
 from raytrain_app.data.parquet import csv, digits, parquet
 from raytrain_app.data.parquet_files import ParquetFiles, is_text
 from raytrain_app.data.preprocess import feature_columns
@@ -45,6 +47,7 @@ BUILTINS = {
     "cifar10": cifar10,
     "synthetic": synthetic,
     "text": text,
+    "images": images,
 }
 # Datasets whose __getitems__ returns a whole collated batch: one indexing op per batch.
 BATCHED = (ArrayDataset, TokenBlocks)
@@ -117,6 +120,8 @@ def labels(dataset: Dataset, indices: range) -> torch.Tensor:
         return dataset.y[indices.start:indices.stop:indices.step]
     if isinstance(dataset, ParquetStream):
         return dataset.labels()[indices.start:indices.stop:indices.step]
+    if isinstance(dataset, EncodedImages):
+        return torch.from_numpy(dataset.source.labels[indices.start:indices.stop:indices.step])
     return torch.stack([torch.as_tensor(dataset[i][1]) for i in indices])
 
 
@@ -131,9 +136,14 @@ def labelled_files(path: str, recipe: dict, format: str = "parquet") -> ParquetF
     return files
 
 
-def labelled_file(path: str, recipe: dict) -> ArrayDataset:
+def labelled_file(path: str, recipe: dict) -> Dataset:
     """The rows of a labelled Parquet file as the trained model's eval data: read, resized and
-    normalised as its training data was, with the training split's statistics (not the file's)."""
+    normalised as its training data was, with the training split's statistics (not the file's);
+    for a model trained on encoded images, labelled images transformed as its eval set was."""
+    if recipe.get("kind") == "images":
+        from raytrain_app.data.images import labelled
+
+        return labelled(path, recipe)
     x, y = labelled_files(path, recipe).read()
     if recipe["resize"]:
         x = resize_images(x, recipe["resize"])
@@ -165,6 +175,21 @@ class TrainShard(DistributedSampler):
 
     def __len__(self) -> int:
         return -(-(len(self.dataset) - self.start) // self.num_replicas)
+
+
+class DrawnShard(TrainShard):
+    """TrainShard's samples as (sample, seed, epoch) keys, from which a dataset that augments
+    (EncodedImages) draws each sample's randomness: the same whichever rank, loader process or
+    resume reads it."""
+
+    def __iter__(self):
+        return ((i, self.seed, self.epoch) for i in super().__iter__())
+
+
+def skipped(dataset: Dataset) -> Optional[int]:
+    """Bad samples a dataset has skipped so far on this rank; None where it skips none (only
+    encoded images with `data.args.on_bad: skip` do)."""
+    return dataset.skipped() if isinstance(dataset, EncodedImages) and dataset.on_bad == "skip" else None
 
 
 class EvalShard(Sampler[int]):
@@ -219,6 +244,8 @@ def loader_workers(setting: Optional[int], ds: Datasets, cpus_per_worker: float)
         return setting
     if isinstance(ds.train, (*BATCHED, ParquetStream)):  # a stream reads ahead in a thread of its own
         return 0
+    if isinstance(ds.train, EncodedImages):  # decoding is the work: a process per CPU, the training one waits
+        return max(1, min(8, int(cpus_per_worker)))
     return max(0, min(4, int(cpus_per_worker) - 1))
 
 
@@ -226,12 +253,14 @@ def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, p
             resident: bool = False):
     if resident:
         return DeviceBatches(dataset, sampler, batch_size)
-    collate = _as_is if isinstance(dataset, BATCHED) else None
+    collate = _as_is if isinstance(dataset, BATCHED) else EncodedImages.collate if isinstance(
+        dataset, EncodedImages) else None
     # The loader's own generator: starting an epoch's iterator must not draw from the global RNG,
     # or a run resumed mid-epoch would see different dropout and augmentation than the original.
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      collate_fn=collate, pin_memory=pin, persistent_workers=workers > 0,
-                      generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                        collate_fn=collate, pin_memory=pin, persistent_workers=workers > 0,
+                        generator=torch.Generator().manual_seed(seed))
+    return CheckedBatches(loader) if isinstance(dataset, EncodedImages) else loader
 
 
 def _as_is(batch):
@@ -251,7 +280,8 @@ def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed
     if isinstance(ds.train, ParquetStream):
         batches = StreamBatches(ds.train, batch_size, rank, world_size, seed, train=True)
         return batches, batches
-    sampler = TrainShard(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    shard = DrawnShard if isinstance(ds.train, EncodedImages) else TrainShard
+    sampler = shard(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank, resident), sampler
 
 

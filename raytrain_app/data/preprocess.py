@@ -35,6 +35,8 @@ class Stored:
 def recipe(train) -> Optional[dict]:
     """The training split's preprocessing as plain data (for checkpoints and JSON), or None where
     the data is not normalised (token ids, a builder's own dataset yielding model inputs)."""
+    if isinstance(getattr(train, "recipe", None), dict):  # encoded images say their own (data.images)
+        return train.recipe
     stored: Optional[Stored] = getattr(train, "stored", None)
     if stored is None or getattr(train, "mean", None) is None:
         return None
@@ -49,6 +51,15 @@ def feature_columns(recipe: Optional[dict], default: Union[str, list, None] = No
     """The column(s) a table must hold for the model: the recipe's, else `default`, else `image`."""
     features = (recipe or {}).get("features") or default or "image"
     return features if isinstance(features, str) else list(features)
+
+
+def preprocess_for(recipe: dict) -> nn.Module:
+    """The module that applies a recipe: `Preprocess`, or for encoded images `ImagePreprocess`."""
+    if recipe.get("kind") == "images":
+        from raytrain_app.data.images import ImagePreprocess
+
+        return ImagePreprocess(recipe)
+    return Preprocess(recipe)
 
 
 class Preprocess(nn.Module):

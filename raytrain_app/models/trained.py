@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from raytrain_app.config.sections import ModelConfig
-from raytrain_app.data.preprocess import Preprocess
+from raytrain_app.data.preprocess import preprocess_for
 from raytrain_app.models import build_model
 
 
@@ -19,7 +19,7 @@ class TrainedModel(nn.Module):
     own dataset), `.source` the checkpoint or export it was loaded from, `.class_names` the name
     of each output class where the training labels were names (else None)."""
 
-    def __init__(self, model: nn.Module, preprocess: Optional[Preprocess] = None, source: str = "",
+    def __init__(self, model: nn.Module, preprocess: Optional[nn.Module] = None, source: str = "",
                  class_names: Optional[list[str]] = None):
         super().__init__()
         self.preprocess = preprocess if preprocess is not None else nn.Identity()
@@ -27,7 +27,9 @@ class TrainedModel(nn.Module):
         self.source = source
         self.class_names = class_names
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
+        """`x`: inputs as stored; a model trained on encoded images also takes a list of image
+        files, encoded bytes or pixel tensors of any size (`data.images.ImagePreprocess`)."""
         return self.model(self.preprocess(x))
 
 
@@ -39,4 +41,4 @@ def rebuild(config: ModelConfig, builder: Union[str, Callable, None], input_shap
     if builder is not None:
         config = config.model_copy(update={"name": builder})
     model = build_model(config, tuple(input_shape), num_classes, devices)
-    return TrainedModel(model, Preprocess(recipe) if recipe else None, source, (recipe or {}).get("classes"))
+    return TrainedModel(model, preprocess_for(recipe) if recipe else None, source, (recipe or {}).get("classes"))

@@ -39,6 +39,7 @@ from raytrain_app.data import (
     keep_on_device,
     label_counts,
     loader_workers,
+    skipped,
     to_device,
     train_loader,
 )
@@ -209,6 +210,7 @@ def _run(w: Worker) -> None:
             first_step = state.step - state.batch // batches.accum_steps  # this epoch's, also when resumed inside it
             state.clock.start()
             w.heartbeat.reset_spent()
+            skipped_before = [skipped(split) for split in (data.train, data.eval)]
             train_totals = train_epoch(step, train_dl, state, report.progress(epoch, state.batch + len(train_dl)),
                                        after_step, w.heartbeat)
             if device.type == "cuda":
@@ -217,6 +219,9 @@ def _run(w: Worker) -> None:
             spent, spent_steps = w.heartbeat.reset_spent()
             w.heartbeat.at(EVAL)
             evaluated = eval_epoch(parallel.model, eval_dl, step)
+            if skipped_before[0] is not None:  # bad images skipped this epoch, in training and evaluation
+                now = [skipped(split) for split in (data.train, data.eval)]
+                train_totals.skipped = (train_totals.skipped or 0) + sum(now) - sum(skipped_before)
             w.heartbeat.at(CHECKPOINT)  # and the epoch's metrics, whose collectives wait for every rank
             if compile_cache:
                 compile_cache.save()  # what the epoch compiled after its first step (its shorter last batch)

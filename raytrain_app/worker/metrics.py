@@ -23,21 +23,22 @@ from raytrain_app.distributed import gathered, global_max
 
 
 class Totals:
-    """Running sums of (loss x samples, samples, data wait) over a rank's training epoch, and a
-    custom step's own metrics as (sum, count) pairs.
+    """Running sums of (loss x samples, samples, data wait, bad samples skipped) over a rank's
+    epoch, and a custom step's own metrics as (sum, count) pairs.
 
     The sample count lives on the host (it is known there), so a built-in step costs one device
     op here; everything is all-reduced in one collective at the epoch's end.
     """
 
     def __init__(self, device: torch.device):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         # sums[0] as a view made once: indexing makes a new tensor at every step's add and loss check.
         # Everything that changes `sums` does so in place (copy_, +=, item assignment), so it stays live.
         self.loss_sum = self.sums[0]
         self.named: dict[str, torch.Tensor] = {}  # name -> [sum, count]
         self.samples = 0
         self.data_wait_s = 0.0  # host time spent waiting for batches
+        self.skipped: Optional[int] = None  # bad samples skipped, where the data skips them (on_bad: skip)
 
     def add(self, mean_loss: torch.Tensor, count: int, named: Optional[dict] = None) -> None:
         self.loss_sum.add_(mean_loss.detach(), alpha=count)
@@ -54,32 +55,36 @@ class Totals:
 
     def all_reduce(self) -> "Totals":
         """Sum over ranks; afterwards `data_wait_s` is the mean over ranks."""
-        self.sums[1], self.sums[2] = self.samples, self.data_wait_s
+        self.sums[1], self.sums[2], self.sums[3] = self.samples, self.data_wait_s, self.skipped or 0
         world = 1
         if dist.is_available() and dist.is_initialized():
             names = sorted(self.named)  # every rank's step reports the same names
             flat = torch.cat([self.sums, *(self.named[n] for n in names)])
             dist.all_reduce(flat)
-            self.sums.copy_(flat[:3])
-            self.named = {n: flat[3 + 2 * i: 5 + 2 * i] for i, n in enumerate(names)}
+            self.sums.copy_(flat[:4])
+            self.named = {n: flat[4 + 2 * i: 6 + 2 * i] for i, n in enumerate(names)}
             world = dist.get_world_size()
         self.samples, self.data_wait_s = int(self.sums[1]), float(self.sums[2]) / world
+        if self.skipped is not None:
+            self.skipped = int(self.sums[3])
         return self
 
     def state_dict(self) -> dict:
-        return {"sums": self.sums.cpu(), "samples": self.samples, "data_wait_s": self.data_wait_s,
+        return {"sums": self.sums.cpu(), "samples": self.samples, "data_wait_s": self.data_wait_s, "skipped": self.skipped,
                 "named": {n: v.cpu() for n, v in self.named.items()}}
 
     def load_state_dict(self, saved: dict) -> None:
-        self.sums.copy_(saved["sums"])
-        self.samples, self.data_wait_s = saved["samples"], saved["data_wait_s"]
+        self.sums[:len(saved["sums"])] = saved["sums"].to(self.sums.device)  # 3 sums before skips were counted
+        self.samples, self.data_wait_s, self.skipped = saved["samples"], saved["data_wait_s"], saved.get("skipped")
         self.named = {n: v.to(self.sums.device) for n, v in saved.get("named", {}).items()}
 
     def merge(self, saved: dict) -> None:
         """Add another rank's saved sums to these: a rank of a smaller world carries on the sums of
         the ranks that are gone, so that the epoch's all-reduced totals still cover every sample."""
-        self.sums += saved["sums"].to(self.sums.device)
+        self.sums[:len(saved["sums"])] += saved["sums"].to(self.sums.device)
         self.samples += saved["samples"]
+        if saved.get("skipped") is not None:
+            self.skipped = (self.skipped or 0) + saved["skipped"]
         self.data_wait_s = max(self.data_wait_s, saved["data_wait_s"])  # a time, as the clock: not a count
         for name, pair in saved.get("named", {}).items():
             pair = pair.to(self.sums.device)
@@ -235,6 +240,8 @@ class EpochMetrics:
             **{f"train_{name}": value for name, value in train.metrics().items()},
             **{f"eval_{name}": value for name, value in evaluated.items()},
             "train_samples": train.samples,  # over all ranks, and across a resume inside the epoch
+            # bad images skipped over all ranks, in training and evaluation (data.args.on_bad: skip)
+            **({"skipped_images": train.skipped} if train.skipped is not None else {}),
             "samples_per_s": train.samples / slowest,
             "samples_per_s_per_worker": train.samples / slowest / self.world_size,
             **time_split(slowest, train.data_wait_s, steps, self.sync_s),
