@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from raytrain_app.cli.base import exit_codes, main
+from raytrain_app.errors import UserError
 
 
 def _names(ctx, param, value):
@@ -35,9 +36,12 @@ def convert():
 @click.option("--size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Resize every image to SIZE x SIZE (bilinear).")
 @click.option("--grey", is_flag=True, help="One grey channel instead of RGB.")
+@click.option("--encoded", is_flag=True,
+              help="Keep each file's bytes as they are (no decoding or resizing), in the Hugging Face image layout, "
+                   "for `data: images`, which crops the original pixels while training.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the row shuffle.")
 @_sharding
-def convert_images(root, out_dir, size, grey, seed, rows_per_file, row_group_rows):
+def convert_images(root, out_dir, size, grey, encoded, seed, rows_per_file, row_group_rows):
     """Images in ROOT/CLASS_NAME/ folders (torchvision's ImageFolder layout), shuffled, into
     OUT_DIR/part-*.parquet. Label i is the i-th class folder in sorted order, as ImageFolder
     numbers them; the names are kept.
@@ -46,11 +50,14 @@ def convert_images(root, out_dir, size, grey, seed, rows_per_file, row_group_row
     Examples:
       raytrain-app convert images photos/train data/train --size 64
       raytrain-app convert images scans/ data/scans --grey --rows-per-file 10000
+      raytrain-app convert images photos/train data/photos --encoded
     """
     from raytrain_app.data import convert as converter
 
     with exit_codes():
-        click.echo(converter.images(root, out_dir, size, grey, seed, rows_per_file, row_group_rows))
+        if encoded and grey:
+            raise UserError("--grey decodes the images; --encoded keeps them as they are: give one")
+        click.echo(converter.images(root, out_dir, size, grey, seed, rows_per_file, row_group_rows, encoded))
 
 
 @convert.command("csv")

@@ -1,5 +1,5 @@
 """`raytrain-app convert`: an ImageFolder tree or a CSV file made into sharded Parquet files for
-the `parquet` dataset, and its streaming reader.
+the `parquet` dataset, and its streaming reader (or, `--encoded`, image bytes for `images`).
 
 Both write OUT_DIR/part-00000.parquet, part-00001.parquet, ... with one schema, and metadata that
 lets the reader find the columns without a config: `raytrain.features`, `raytrain.shape`,
@@ -104,12 +104,11 @@ def prepare(out: Path) -> None:
 
 
 def images(root: Path, out_dir: Path, size: int = 32, grey: bool = False, seed: int = 0, rows_per_file: int = 50_000,
-           row_group_rows: int = 4096) -> str:
+           row_group_rows: int = 4096, encoded: bool = False) -> str:
     """Images in ROOT/CLASS_NAME/ folders (torchvision's ImageFolder layout), resized to
     `size` x `size`; label i is the i-th class folder in sorted order, as ImageFolder numbers
-    them. Returns what was written, in words."""
-    from PIL import Image
-
+    them. `encoded`: each file's bytes as they are, in the Hugging Face image layout, for `data:
+    images` (which decodes and crops them while training). Returns what was written, in words."""
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     if not classes:
         raise UserError(f"{root} has no class folders (expected ROOT/CLASS_NAME/IMAGE)")
@@ -119,7 +118,28 @@ def images(root: Path, out_dir: Path, size: int = 32, grey: bool = False, seed: 
         if not found:
             raise UserError(f"class folder {root / name} holds no images ({', '.join(IMAGE_SUFFIXES)})")
         samples += [(path, label) for path in found]
-    random.Random(seed).shuffle(samples)  # paths only: pixels are read a row group at a time
+    random.Random(seed).shuffle(samples)  # paths only: images are read a row group at a time
+    write = _encoded if encoded else _decoded
+    schema, row_group = write(root, classes, size, grey)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        """One row group each, cut where `write_parts` cuts: only one is ever read at a time."""
+        start = 0
+        while start < len(samples):
+            chunk = samples[start:start + group_size(start, row_group_rows, rows_per_file)]
+            yield pa.record_batch([row_group(chunk), pa.array([label for _, label in chunk], pa.int64())],
+                                  schema=schema)
+            start += len(chunk)
+
+    prepare(out_dir)
+    rows, files = write_parts(batches(), schema, out_dir, rows_per_file, row_group_rows)
+    return f"wrote {rows} {'encoded images' if encoded else 'rows'} of {len(classes)} classes in {files} files to " \
+           f"{out_dir}"
+
+
+def _decoded(root: Path, classes: list[str], size: int, grey: bool):
+    """Pixels resized to size x size, for `data: parquet`: the schema, and a row group's image column."""
+    from PIL import Image
 
     mode, channels = ("L", 1) if grey else ("RGB", 3)
     # Each image's pixels as one fixed-size binary value: Parquet stores them as plain bytes,
@@ -138,19 +158,34 @@ def images(root: Path, out_dir: Path, size: int = 32, grey: bool = False, seed: 
             raise UserError(f"{path}: not a readable image ({e})") from None
         return np.asarray(image, dtype=np.uint8).reshape(size, size, channels).transpose(2, 0, 1)
 
-    def batches() -> Iterator[pa.RecordBatch]:
-        """One row group each, cut where `write_parts` cuts: only one is ever decoded at a time."""
-        start = 0
-        while start < len(samples):
-            chunk = samples[start:start + group_size(start, row_group_rows, rows_per_file)]
-            values = pa.py_buffer(np.stack([pixels(path) for path, _ in chunk]).tobytes())
-            yield pa.record_batch([pa.Array.from_buffers(image_type, len(chunk), [None, values]),
-                                   pa.array([label for _, label in chunk], pa.int64())], schema=schema)
-            start += len(chunk)
+    def column(chunk: list) -> pa.Array:
+        values = pa.py_buffer(np.stack([pixels(path) for path, _ in chunk]).tobytes())
+        return pa.Array.from_buffers(image_type, len(chunk), [None, values])
 
-    prepare(out_dir)
-    rows, files = write_parts(batches(), schema, out_dir, rows_per_file, row_group_rows)
-    return f"wrote {rows} rows of {len(classes)} classes in {files} files to {out_dir}"
+    return schema, column
+
+
+def _encoded(root: Path, classes: list[str], size: int, grey: bool):
+    """Files' bytes as they are, for `data: images`, in the layout of Hugging Face `datasets`
+    (an `image` struct of bytes and path, a ClassLabel `label`), which both read."""
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    huggingface = {"info": {"features": {"image": {"_type": "Image"},
+                                         "label": {"names": classes, "_type": "ClassLabel"}}}}
+    schema = pa.schema([("image", image_type), ("label", pa.int64())],
+                       metadata={**metadata(label="label", num_classes=len(classes), classes=classes,
+                                            source=f"imagefolder:{root}"),
+                                 b"huggingface": json.dumps(huggingface).encode()})
+
+    def column(chunk: list) -> pa.Array:
+        try:
+            data = [path.read_bytes() for path, _ in chunk]
+        except OSError as e:
+            raise UserError(f"cannot read {e.filename}: {e.strerror}") from None
+        return pa.StructArray.from_arrays([pa.array(data, pa.binary()),
+                                           pa.array([str(path.relative_to(root)) for path, _ in chunk])],
+                                          fields=list(image_type))
+
+    return schema, column
 
 
 def csv(file: Path, out_dir: Path, label: Optional[str] = None, no_label: bool = False,

@@ -134,7 +134,8 @@ def _folder(path: str, labelled: bool, classes: Optional[Sequence[str]]) -> Enco
     folders = [posixpath.relpath(f, root).split("/")[0] if "/" in posixpath.relpath(f, root) else None for f in files]
     if None in folders:
         loose = files[folders.index(None)]
-        raise UserError(f"{path}: {posixpath.basename(loose)} is not in a class folder (expected ROOT/CLASS_NAME/IMAGE)")
+        raise UserError(f"{path}: {posixpath.basename(loose)} is not in a class folder "
+                        "(expected ROOT/CLASS_NAME/IMAGE)")
     found = sorted(set(folders))
     known = list(classes) if classes else found
     unknown = [name for name in found if name not in known]
@@ -296,8 +297,9 @@ class EncodedImages(Dataset):
         if seed is None or not self.train:
             x = self.transform(pixels)
         else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(((seed * 1_000_003 + epoch) * 1_000_000_007 + i) % 2**63)
+            with torch.random.fork_rng(devices=[]):  # the CPU generator's only: torch.manual_seed would queue
+                # a CUDA seeding with its stack trace, a millisecond a sample
+                torch.default_generator.manual_seed(((seed * 1_000_003 + epoch) * 1_000_000_007 + i) % 2**63)
                 x = self.transform(pixels)
         label = -1 if self.source.labels is None else int(self.source.labels[i])
         return x, label

@@ -31,6 +31,7 @@ from raytrain_app.config import JobConfig, registry, updated
 from raytrain_app.config.resolve import absolute_paths
 from raytrain_app.console import count
 from raytrain_app.data import labelled_files, tables
+from raytrain_app.data.images import Encoded, find, labelled
 from raytrain_app.data.parquet_files import is_csv
 from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.errors import TrainingFailed, UserError, last_line
@@ -212,7 +213,7 @@ def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out:
     import ray.train.torch
     import torch
 
-    from raytrain_app.data import Datasets, build_datasets, eval_loader, labelled_file
+    from raytrain_app.data import Datasets, build_datasets, eval_loader, labelled_file, loader_workers
     from raytrain_app.tasks import build_task
     from raytrain_app.tasks.supervised import Classification, class_report
     from raytrain_app.worker.loop import Precision, Step, evaluation_sums
@@ -236,7 +237,8 @@ def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out:
         if loaded.class_weights is not None:  # the loss training reported
             task.weight = torch.tensor(loaded.class_weights)
     model = _model_on(loaded.directory, job, ray.train.torch.get_devices()).model  # the inputs come normalised
-    loader = eval_loader(datasets, job.train.eval_batch_size, ctx.get_world_rank(), ctx.get_world_size(), 0,
+    workers = loader_workers(job.data.loader_workers, datasets, job.scaling.cpus_per_worker)
+    loader = eval_loader(datasets, job.train.eval_batch_size, ctx.get_world_rank(), ctx.get_world_size(), workers,
                          device.type == "cuda")
     sums = evaluation_sums(model, loader, Step(model, Precision(job.train.precision, device), device=device,
                                                task=task))
@@ -257,6 +259,9 @@ def _labelled_input(loaded: Loaded, path: str, scratch: str) -> str:
                         f"('{loaded.job.data.model_dump(mode='json')['name']}') "
                         "that is not read from a table, so a file cannot be read as it was; evaluate its splits "
                         "(--data-set), or score it with load_model in Python")
+    if loaded.recipe.get("kind") == "images":  # listed (and its classes checked) before Ray starts
+        labelled(path, loaded.recipe)
+        return storage.normalize(path)
     present = tables.columns_of(path, "--data")
     label = loaded.recipe.get("label") or "label"
     tables.require(path, present, loaded.features(), "--data", "an input")
@@ -284,41 +289,129 @@ def predict(run_dir: str, input_path: str, output: str, checkpoint_name: Optiona
         raise UserError(f"predict writes classification and regression outputs; this run's task is "
                         f"{loaded.job.task.name}")
     features = loaded.features()
-    tables.require(input_path, tables.columns_of(input_path, "--input"), features, "--input", "an input")
+    if (loaded.recipe or {}).get("kind") == "images":  # listed before Ray starts: a missing file is one line
+        source = find(input_path, labelled=False, column=features[0])
+    else:
+        tables.require(input_path, tables.columns_of(input_path, "--input"), features, "--input", "an input")
+        source = None
     out_dir = posixpath.dirname(storage.normalize(output)) or "."
     storage.check_writable(out_dir)
     parts = storage.join(out_dir, f".{posixpath.basename(output)}.parts")
     try:
-        return _predict(loaded, input_path, output, parts, features, batch_size, address, verbose, echo, local)
+        return _predict(loaded, input_path, source, output, parts, features, batch_size, address, verbose, echo,
+                        local)
     finally:
         storage.remove(parts)  # the CSV's copy and the parts, however it ended
 
 
-def _predict(loaded: "Loaded", input_path: str, output: str, parts: str, features: list[str], batch_size: int,
-             address: Optional[str], verbose: bool, echo: Callable[[str], None], local: bool) -> int:
+def _predict(loaded: "Loaded", input_path: str, images: Optional[Encoded], output: str, parts: str,
+             features: list[str], batch_size: int, address: Optional[str], verbose: bool,
+             echo: Callable[[str], None], local: bool) -> int:
+    """Every part of the input (a Parquet row group, or a chunk of images) predicted, in this
+    process or spread over Ray tasks, then joined in order."""
     import pyarrow.parquet as pq
     import ray
 
-    source = tables.as_parquet(storage.normalize(input_path), parts, "--input")  # the tasks run elsewhere
-    _check_width(loaded, source, input_path, features)
-    fs, path = storage.filesystem_for(source)
-    groups = pq.ParquetFile(fs.open_input_file(path)).metadata.num_row_groups
+    if images is not None:
+        groups, unit = -(-len(images) // IMAGE_CHUNK), "chunk"
+        work = functools.partial(predict_images, loaded, images)
+    else:
+        source = tables.as_parquet(storage.normalize(input_path), parts, "--input")  # the tasks run elsewhere
+        _check_width(loaded, source, input_path, features)
+        fs, path = storage.filesystem_for(source)
+        groups, unit = pq.ParquetFile(fs.open_input_file(path)).metadata.num_row_groups, "row group"
+        work = functools.partial(predict_row_groups, loaded, source, features)
     s = loaded.job.scaling
-    echo(f"predicting {input_path} with {loaded.chosen.name} ({loaded.chosen.why}): {count(groups, 'row group')} over "
+    shown = f"{count(len(images), 'image')} in {count(groups, unit)}" if images is not None else count(groups, unit)
+    echo(f"predicting {input_path} with {loaded.chosen.name} ({loaded.chosen.why}): {shown} over "
          f"{count(s.workers, 'worker')}{', in this process' if local else ''}")
     if local:
-        predict_row_groups(loaded, source, features, list(range(groups)), parts, batch_size)
+        work(list(range(groups)), parts, batch_size)
         return _join(parts, groups, output)
     with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo):
-        task = ray.remote(predict_row_groups).options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker)
+        task = ray.remote(_run).options(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker)
         try:
-            ray.get([task.remote(loaded, source, features, list(range(rank, groups, s.workers)), parts, batch_size)
+            ray.get([task.remote(work, list(range(rank, groups, s.workers)), parts, batch_size)
                      for rank in range(s.workers)])
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
             raise (cause if isinstance(cause, UserError)
                    else TrainingFailed(f"predict failed: {last_line(e)}")) from None
     return _join(parts, groups, output)
+
+
+def _run(work: Callable, groups: list[int], parts: str, batch_size: int) -> None:
+    """A Ray task's share of a prediction."""
+    work(groups, parts, batch_size)
+
+
+def _task_devices() -> list:
+    """Ray hides the GPUs from a task that asked for none, so these are the task's own GPUs or the CPU."""
+    import torch
+
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+
+
+def _outputs(loaded: Loaded, out) -> dict:
+    """Prediction columns for a batch of model outputs: classification's class id, its name where
+    the labels were names, and its probability; regression's value(s)."""
+    import pyarrow as pa
+    import torch
+
+    piece = {}
+    if loaded.job.task.name == "classification":
+        probability, label = torch.softmax(out.float(), dim=1).max(dim=1)
+        piece["prediction"] = pa.array(label.numpy())
+        if loaded.classes:
+            piece["label"] = pa.array(loaded.classes, pa.string()).take(piece["prediction"])
+        piece["probability"] = pa.array(probability.numpy())
+    else:
+        values = out.float().numpy()
+        piece["prediction"] = pa.array(values[:, 0] if values.shape[1] == 1 else list(values))
+    return piece
+
+
+def _write_part(parts: str, index: int, pieces: list) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.concat_tables(pieces), buffer)
+    storage.write_bytes(storage.join(parts, f"{index:06d}.parquet"), buffer.getvalue())
+
+
+# Images per part of a prediction over image files: a task's unit of work and of output.
+IMAGE_CHUNK = 256
+
+
+def predict_images(loaded: Loaded, images: Encoded, chunks: list[int], parts: str, batch_size: int) -> None:
+    """Chunks of IMAGE_CHUNK images, decoded in loader processes, through the eval transform the
+    checkpoint records; each image named by its file (or row of its Parquet file)."""
+    import numpy as np
+    import pyarrow as pa
+    import torch
+    from torch.utils.data import DataLoader
+
+    from raytrain_app.data.images import CheckedBatches, EncodedImages, transforms_of
+
+    devices = _task_devices()
+    model = _model_on(loaded.directory, loaded.job, devices).model  # the loader transforms the images
+    transforms = transforms_of(loaded.recipe)
+    for c in chunks:
+        idx = np.arange(c * IMAGE_CHUNK, min((c + 1) * IMAGE_CHUNK, len(images)))
+        chunk = images.take(idx)
+        dataset = EncodedImages(chunk, transforms, train=False)
+        workers = max(1, min(8, int(loaded.job.scaling.cpus_per_worker)))
+        batches = CheckedBatches(DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                                            collate_fn=EncodedImages.collate))
+        pieces, at = [], 0
+        for x, _ in batches:
+            with torch.no_grad():
+                out = model(x.to(devices[0])).cpu()
+            named = [chunk.name(i) for i in range(at, at + len(x))]
+            pieces.append(pa.table({"image": pa.array(named, pa.string()), **_outputs(loaded, out)}))
+            at += len(x)
+        _write_part(parts, c, pieces)
 
 
 def predict_row_groups(loaded: Loaded, input_path: str, features: list[str], groups: list[int], parts: str,
@@ -330,14 +423,12 @@ def predict_row_groups(loaded: Loaded, input_path: str, features: list[str], gro
 
     from raytrain_app.data.parquet_files import feature_matrix
 
-    # Ray hides the GPUs from a task that asked for none, so these are the task's own GPUs or the CPU.
-    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+    devices = _task_devices()
     model = _model_on(loaded.directory, loaded.job, devices)
     fs, path = storage.filesystem_for(input_path)
     source = pq.ParquetFile(fs.open_input_file(path))
     starts = np.cumsum([0] + [source.metadata.row_group(g).num_rows for g in range(source.metadata.num_row_groups)])
     keep_id = "id" in source.schema_arrow.names
-    names = pa.array(loaded.classes, pa.string()) if loaded.classes else None
     packed = features[0] if len(features) == 1 else features  # one list column, or scalar columns side by side
     for g in groups:
         pieces, row = [], int(starts[g])
@@ -350,20 +441,9 @@ def predict_row_groups(loaded: Loaded, input_path: str, features: list[str], gro
             piece = {"row": pa.array(np.arange(row, row + batch.num_rows))}
             if keep_id:
                 piece["id"] = batch.column("id")
-            if loaded.job.task.name == "classification":
-                probability, label = torch.softmax(out.float(), dim=1).max(dim=1)
-                piece["prediction"] = pa.array(label.numpy())
-                if names is not None:
-                    piece["label"] = names.take(piece["prediction"])
-                piece["probability"] = pa.array(probability.numpy())
-            else:
-                values = out.float().numpy()
-                piece["prediction"] = pa.array(values[:, 0] if values.shape[1] == 1 else list(values))
-            pieces.append(pa.table(piece))
+            pieces.append(pa.table({**piece, **_outputs(loaded, out)}))
             row += batch.num_rows
-        buffer = io.BytesIO()
-        pq.write_table(pa.concat_tables(pieces), buffer)
-        storage.write_bytes(storage.join(parts, f"{g:06d}.parquet"), buffer.getvalue())
+        _write_part(parts, g, pieces)
 
 
 def _check_width(loaded: Loaded, source: str, input_path: str, features: list[str]) -> None:

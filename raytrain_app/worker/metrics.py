@@ -70,8 +70,8 @@ class Totals:
         return self
 
     def state_dict(self) -> dict:
-        return {"sums": self.sums.cpu(), "samples": self.samples, "data_wait_s": self.data_wait_s, "skipped": self.skipped,
-                "named": {n: v.cpu() for n, v in self.named.items()}}
+        return {"sums": self.sums.cpu(), "samples": self.samples, "data_wait_s": self.data_wait_s,
+                "skipped": self.skipped, "named": {n: v.cpu() for n, v in self.named.items()}}
 
     def load_state_dict(self, saved: dict) -> None:
         self.sums[:len(saved["sums"])] = saved["sums"].to(self.sums.device)  # 3 sums before skips were counted
