@@ -17,6 +17,9 @@
 #                                             # hung rank on CUDA tensors (2 workers x 0.5 GPU on
 #                                             # Ray, Gloo) with its flight-recorder dumps, and a
 #                                             # torchrun script on CUDA: torchrun, local mode, Ray
+#   bash benchmarks/gpu_check.sh images       # encoded JPEGs: the decode pipeline against torchvision's
+#                                             # ImageFolder on 15 processes, an ImageNet-shaped
+#                                             # ResNet-50 run from JPEGs against synthetic tensors
 #
 # `paths`: NCCL at one worker in bf16 (auto precision), fp16 with GradScaler and clipping,
 # compile reduce-overhead (CUDA graphs) with the data on the device, and 2 NCCL workers sharing
@@ -206,7 +209,6 @@ PY
   python3 benchmarks/step_overhead.py --device cuda --model lenet --precision bf16 --batch 512 \
     --steps 100 --rounds 5 --repeats 5 --compile reduce-overhead --on-device on
   ;;
-*) echo "usage: gpu_check.sh [paths|throughput|fsdp|data|local]" >&2; exit 2 ;;
 round3)
   echo "== checkpoint_stall.py on the GPU: gpt 12 x 768, bf16 autocast, AdamW; sync against async, local disk"
   python3 benchmarks/checkpoint_stall.py --device cuda --local-only --checkpoints 3 --steps 3
@@ -232,4 +234,28 @@ round3)
     echo "== (transformers is not installed here: the HF Trainer pattern is not run)"
   fi
   ;;
+images)
+  echo "== encoded_images.py: 3,000 JPEGs of 500x375 to 224x224 tensors, ours against ImageFolder + DataLoader"
+  python3 benchmarks/encoded_images.py --images 3000 --workers 15 --repeats 2
+  echo "== an ImageNet-shaped run: those JPEGs (data: images), ResNet-50, bf16, batch 256, 15 loader processes"
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import encoded_images as e; from pathlib import Path; \
+print(f'{e.write_images(Path(\"/tmp/jpegs/train\"), 3000):.0f} KiB per image')"
+  resnet50() {  # NAME --set ...: 3 epochs of ResNet-50 at 224x224, bf16, batch 256, on the one GPU
+    local name=$1; shift
+    python3 -m raytrain_app.cli train examples/digits.yaml --workers 1 --gpus-per-worker 1 --cpus-per-worker 16 \
+      --run-dir "/tmp/runs/$name" --set model.name=resnet50 --set data.eval_fraction=0.05 --set train.epochs=3 \
+      --set train.batch_size=256 --set train.precision=bf16 --set checkpoint.every_epochs=3 "$@"
+    echo "exit $?"
+    python3 - "/tmp/runs/$name" <<'PY'
+import json, sys
+for row in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")):
+    print("   ", {k: round(row[k], 3) for k in ("epoch", "samples_per_s", "data_wait_frac", "mfu") if k in row})
+PY
+  }
+  resnet50 jpegs --set data.name=images --set "data.args={path: /tmp/jpegs/train, size: 224}" \
+    --set data.loader_workers=15
+  resnet50 tensors-on-gpu --set data.name=synthetic --set data.on_device=on \
+    --set "data.args={shape: [3, 224, 224], train_size: 2850, eval_size: 150}"
+  ;;
+*) echo "usage: gpu_check.sh [paths|throughput|fsdp|data|local|round3|images]" >&2; exit 2 ;;
 esac

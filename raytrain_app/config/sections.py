@@ -45,14 +45,14 @@ class BuilderSection(Section):
 
 
 class ModelConfig(BuilderSection):
-    name: Builder = Field("lenet", description='lenet | mlp | resnet18 | gpt | "pkg.module:build"')
+    name: Builder = Field("lenet", description='lenet | mlp | resnet18 | resnet50 | gpt | "pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder, checked "
                                                                    "against its signature before anything starts")
 
 
 class DataConfig(BuilderSection):
     name: Builder = Field("digits", description='digits | mnist | fashion_mnist | cifar10 | parquet | csv | '
-                                                'synthetic | text | "pkg.module:build"')
+                                                'images | synthetic | text | "pkg.module:build"')
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder (see Datasets)")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share for datasets without a test split")
     split_seed: int = Field(0, description="that split is fixed by this seed")

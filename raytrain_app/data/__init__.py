@@ -268,17 +268,18 @@ def _as_is(batch):
 
 
 def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed: int, workers: int, pin: bool,
-                 resident: bool = False, engine: str = "native"):
+                 resident: bool = False, engine: str = "native", device: Optional[torch.device] = None):
     """This rank's training batches and their sampler (for `set_epoch` and a mid-epoch `start`);
     `resident`: `ds` is already on the device (`to_device`) and batches are cut there; `engine`
-    ray_data: from this worker's Ray Data shard."""
+    ray_data: from this worker's Ray Data shard. A Parquet stream moves each window to a CUDA
+    `device` as it reads it, and cuts the batches there."""
     if engine == "ray_data":
         import ray.train
 
         batches = RayDataBatches(ray.train.get_dataset_shard("train"), ds.train, batch_size, rank, world_size, seed)
         return batches, batches
     if isinstance(ds.train, ParquetStream):
-        batches = StreamBatches(ds.train, batch_size, rank, world_size, seed, train=True)
+        batches = StreamBatches(ds.train, batch_size, rank, world_size, seed, train=True, device=device)
         return batches, batches
     shard = DrawnShard if isinstance(ds.train, EncodedImages) else TrainShard
     sampler = shard(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
@@ -299,7 +300,7 @@ class FirstBatches:
 
 
 def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, workers: int, pin: bool,
-                resident: bool = False):
+                resident: bool = False, device: Optional[torch.device] = None):
     if isinstance(ds.eval, ParquetStream):
-        return StreamBatches(ds.eval, batch_size, rank, world_size, 0, train=False)
+        return StreamBatches(ds.eval, batch_size, rank, world_size, 0, train=False, device=device)
     return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin, 0, resident)

@@ -10,7 +10,10 @@ dropped: fewer than `world_size x batch_size` an epoch, and different ones each 
 
 Within its stretch a rank reads windows of `buffer_rows` rows (whole batches), shuffles each with
 a seed of its own and cuts it into batches. A thread reads the next window while the loop trains
-on this one: two windows are in memory, never the dataset.
+on this one: two windows are in memory, never the dataset. On a GPU that thread also copies the
+window there (pinned, on a stream of its own, as uint8 pixels), and the batches are cut,
+normalised and augmented on the GPU, as for data held there (`arrays.DeviceBatches`): the step
+never waits for a host-to-device copy or a normalisation on the CPU.
 
 All of it is a function of (seed, epoch, world size, rank), so the position in an epoch is the
 batch index that the loop's checkpoints hold already. Resuming at batch b reads only from the
@@ -23,6 +26,7 @@ row dropped or counted twice.
 from __future__ import annotations
 
 import bisect
+import copy
 import queue
 import threading
 from dataclasses import replace
@@ -165,8 +169,10 @@ class StreamBatches:
     (`set_epoch`, and `start` samples of the epoch, over all ranks, done when resuming; each rank
     reads a stretch of its own, so a resume inside an epoch is exact at the same world size)."""
 
-    def __init__(self, stream: ParquetStream, batch_size: int, rank: int, world_size: int, seed: int, train: bool):
+    def __init__(self, stream: ParquetStream, batch_size: int, rank: int, world_size: int, seed: int, train: bool,
+                 device: Optional[torch.device] = None):
         self.stream, self.batch_size, self.seed, self.train = stream, batch_size, seed, train
+        self.device = device if device is not None and device.type == "cuda" else None  # else batches stay on the host
         self.epoch, self.start, self.world_size = 0, 0, world_size
         n = len(stream)
         if train:  # equal stretches of whole batches
@@ -191,10 +197,30 @@ class StreamBatches:
     def __iter__(self):
         per_window = self.window // self.batch_size
         first, offset = divmod(self._done(), per_window)
-        for data, order in read_ahead(self._windows(first)):
+        copies = torch.cuda.Stream(self.device) if self.device is not None else None
+        for data, order, copied in read_ahead(self._on_device(window, copies) for window in self._windows(first)):
+            if copied is not None:  # the window's copy, made on the reader's stream, is done before it is used
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(copied)
+                for tensor in (data.x, data.y, data.mean, data.std, order):
+                    tensor.record_stream(current)  # not reused by the reader's stream while this one reads it
             for s in range(offset * self.batch_size, len(order), self.batch_size):
                 yield data.__getitems__(order[s:s + self.batch_size])
             offset = 0
+
+    def _on_device(self, window: tuple[ArrayDataset, torch.Tensor], copies: Optional["torch.cuda.Stream"]):
+        """A window and its order, with the event its copy to the GPU records (None: on the host).
+        Runs on the reading thread: pinning and copying overlap the step."""
+        data, order = window
+        if copies is None:
+            return data, order, None
+        with torch.cuda.stream(copies):
+            moved = copy.copy(data)  # pixels stay uint8 on the GPU, as data held there
+            moved.x, moved.y, moved.mean, moved.std, order = (
+                t.pin_memory().to(self.device, non_blocking=True) for t in (data.x, data.y, data.mean, data.std, order))
+            copied = torch.cuda.Event()
+            copied.record(copies)
+        return moved, order, copied
 
     def _windows(self, first: int) -> Iterator[tuple[ArrayDataset, torch.Tensor]]:
         """The epoch's windows from the `first`-th on, each decoded with its shuffled order."""

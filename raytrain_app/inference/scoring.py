@@ -239,7 +239,7 @@ def evaluate_per_worker(loaded: Loaded, data_set: str, data: Optional[str], out:
     model = _model_on(loaded.directory, job, ray.train.torch.get_devices()).model  # the inputs come normalised
     workers = loader_workers(job.data.loader_workers, datasets, job.scaling.cpus_per_worker)
     loader = eval_loader(datasets, job.train.eval_batch_size, ctx.get_world_rank(), ctx.get_world_size(), workers,
-                         device.type == "cuda")
+                         device.type == "cuda", device=device)
     sums = evaluation_sums(model, loader, Step(model, Precision(job.train.precision, device), device=device,
                                                task=task))
     if ctx.get_world_rank() == 0:

@@ -20,9 +20,9 @@ from raytrain_app.errors import ConfigError
 from raytrain_app.models.gpt import gpt
 from raytrain_app.models.lenet import lenet
 from raytrain_app.models.mlp import mlp
-from raytrain_app.models.resnet import resnet18
+from raytrain_app.models.resnet import resnet18, resnet50
 
-BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18, "gpt": gpt}
+BUILTINS = {"lenet": lenet, "mlp": mlp, "resnet18": resnet18, "resnet50": resnet50, "gpt": gpt}
 
 
 def build_model(config: ModelConfig, input_shape: tuple[int, ...], num_classes: Optional[int],

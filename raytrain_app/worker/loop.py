@@ -151,9 +151,9 @@ def _run(w: Worker) -> None:
     batches = batching(tc, job.scaling, world_size)  # as configured, or as a range's resize keeps it
     report.group(world_size, batches.describe(world_size))
     train_dl, sampler = train_loader(data, batches.batch_size, rank, world_size, job.seed, workers, pin, resident,
-                                     job.data.engine)
+                                     job.data.engine, device)
     train_dl = FirstBatches(train_dl, tc.limit_batches)  # all of them, but in a smoke run
-    eval_dl = FirstBatches(eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident),
+    eval_dl = FirstBatches(eval_loader(data, tc.eval_batch_size, rank, world_size, workers, pin, resident, device),
                            tc.limit_eval_batches)
     report.info("data %s, %d loader workers; compile %s%s; %s", "on the device" if resident else
                 "from Ray Data" if job.data.engine == "ray_data" else "through a DataLoader",
