@@ -103,9 +103,11 @@ def test_an_image_folder_trains_and_predict_on_its_files_agrees_with_evaluate_an
 
     model = load_model(result.run_dir)  # on the raw files, and on their bytes: the same classes
     files = predicted["image"]
-    by_path = model(files).argmax(1)
-    by_bytes = model([open(path, "rb").read() for path in files]).argmax(1)
-    assert by_path.tolist() == by_bytes.tolist() == predicted["prediction"]
+    with torch.no_grad():
+        by_path = torch.softmax(model(files), 1).max(1)
+        by_bytes = model([open(path, "rb").read() for path in files]).argmax(1)
+    assert by_path.indices.tolist() == by_bytes.tolist() == predicted["prediction"]
+    assert by_path.values.tolist() == pytest.approx(predicted["probability"], abs=1e-5)  # the same eval transform
     assert model.class_names == CLASSES
 
 
