@@ -16,8 +16,9 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
+from raytrain_app.driver.on_ray import explain_failure
 from raytrain_app.driver.plan import make_plan
-from raytrain_app.driver.trainer import explain_failure, run_training
+from raytrain_app.driver.trainer import run_training
 from raytrain_app.errors import TrainingFailed
 from raytrain_app.rundir import checkpoints
 from raytrain_app.worker import checkpoint

@@ -43,8 +43,8 @@ from raytrain_app.driver.signals import handlers_kept
 from raytrain_app.errors import CheckpointNotWritten, TrainingFailed, UserError, last_line
 
 if TYPE_CHECKING:
+    from raytrain_app.worker.args import WorkerArgs
     from raytrain_app.worker.local import Outbox
-    from raytrain_app.worker.loop import WorkerArgs
 
 # The worker's modules (torch, Ray Train) load where they run: this module decides whether a run
 # is local, and starts the fork server that loads them, before the driver has loaded them itself.

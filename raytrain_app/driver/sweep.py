@@ -191,7 +191,8 @@ def _trial(settings: dict, sweep: Sweep, sweep_dir: str, launched_in: str) -> No
     """One trial, inside Tune: the job with these settings, trained as `train` trains it, in the
     directory the sweep was launched from (where its job's relative paths point), unless the
     trial runs in a copy of a job's working_dir already."""
-    from raytrain_app.driver.trainer import run_training, shipped_working_dir
+    from raytrain_app.driver.on_ray import shipped_working_dir
+    from raytrain_app.driver.trainer import run_training
 
     if not shipped_working_dir() and os.path.isdir(launched_in):
         os.chdir(launched_in)

@@ -144,6 +144,16 @@ def remove_partial(run_dir: str) -> list[str]:
     return removed
 
 
+def unwritten(e: Exception, run_dir: str) -> str:
+    """A checkpoint that could not be written (a full disk, `CheckpointNotWritten`): what was not
+    written, and what is safe. Removes the partial write first, which frees the space to say so."""
+    remove_partial(run_dir)
+    good = kept(run_dir)
+    then = (f"the last good checkpoint is step {good[-1].step}: free space and --resume" if good else
+            "no checkpoint was written before it: free space and start again")
+    return f"{e}; {then}"
+
+
 def _values(tree, key: str):
     """Every value under `key` anywhere in parsed JSON."""
     if isinstance(tree, dict):

@@ -24,8 +24,9 @@ from multiprocessing.connection import Client
 from typing import Optional
 
 from raytrain_app.errors import peer_gone
+from raytrain_app.worker.args import WorkerArgs
 from raytrain_app.worker.lifeline import end_with
-from raytrain_app.worker.loop import WorkerArgs, train_loop_per_worker
+from raytrain_app.worker.loop import train_loop_per_worker
 
 
 class Outbox:

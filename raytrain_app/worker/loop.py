@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import ray.train
@@ -52,6 +52,7 @@ from raytrain_app.tasks.supervised import Classification, class_weights
 from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint, preemption
 from raytrain_app.worker.after_step import AfterStep, report_to_ray
+from raytrain_app.worker.args import WorkerArgs
 from raytrain_app.worker.compile_cache import CompileCache
 from raytrain_app.worker.early_stopping import EarlyStopping
 from raytrain_app.worker.heartbeat import (
@@ -73,24 +74,6 @@ from raytrain_app.worker.rank import Worker
 from raytrain_app.worker.reporter import Reporter
 from raytrain_app.worker.state import TrainState
 from raytrain_app.worker.strategy import describe_layout, is_sharded, no_grad_sync, parallelize
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    """What the driver hands every worker: the one object that crosses the Ray boundary."""
-
-    job: dict  # the resolved job config as plain data; each worker validates it again
-    run_dir: str  # a local path or URI: where checkpoints and metrics live
-    events: Any  # a ray.util.queue.Queue that the driver's console reads
-    progress: bool  # rank 0 reports its position within epochs (the driver shows a bar)
-    log_dir: str  # RUN_DIR/logs, a local path or URI: where rank-N.log goes
-    cwd: Optional[str]  # the launch directory, when workers should run there (not with a working_dir)
-    restarts: Any = None  # a script run's restarts so far on Ray: a script.RestartCount actor
-    marks: Optional[dict] = None  # the driver's start-up marks (wall clock), for the trackers' breakdown
-    local: bool = False  # Ray Train's local mode: no controller keeps checkpoints, the loop does (driver/local.py)
-    node: Optional[str] = None  # the Ray node a local-mode worker runs on, inside a sweep's trial
-    notices: bool = False  # ask Ray Train for preemption notices (its watcher runs on this cluster)
-    stop_flag: Any = None  # a preemption.StopFlag, which the driver sets on SIGUSR1
 
 
 def train_loop_per_worker(args: WorkerArgs) -> None:

@@ -26,22 +26,22 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import ray
-import ray.train
 import torch
 
 from raytrain_app.distributed import global_max
 
 BUDGET = 0.01  # of the step time
 # The report key under which the checkpoint answering a Ray Train notice names the notice's ranks
-# and deadline, for the controller's restart accounting (driver/trainer.py, RestartNotices).
+# and deadline, for the controller's restart accounting (driver/on_ray.py, RestartNotices).
 ANSWERED = "preemption_notice"
 MEASURED = 8  # steps that ask at every step, timing it
 LONGEST = 1000  # steps between asks, at most
 
 
-@ray.remote(num_cpus=0)
 class _Flag:
+    """StopFlag's state, in a Ray actor (made one when a StopFlag is: this module loads without Ray,
+    for local mode's StopFile)."""
+
     def __init__(self):
         self.reason: Optional[str] = None
         self.hang: Optional[str] = None
@@ -66,23 +66,33 @@ class StopFlag:
     driver's hang verdict to Ray Train's controller, which records the restart (`hung`)."""
 
     def __init__(self, **options):
-        self.actor = _Flag.options(**options).remote()
+        import ray
+
+        self.actor = ray.remote(num_cpus=0)(_Flag).options(**options).remote()
 
     def set(self, reason: str) -> None:
         self.actor.set.remote(reason)  # no wait: the driver may be in a signal handler
 
     def get(self) -> Optional[str]:
+        import ray
+
         return ray.get(self.actor.get.remote())
 
     def hung(self, line: str) -> None:
         """The driver's hang watch is about to kill a rank: the restart that follows is a hang's."""
+        import ray
+
         ray.get(self.actor.set_hang.remote(line))
 
     def take_hang(self) -> Optional[str]:
         """For Ray Train's controller, recording a restart: the hang that caused it, once."""
+        import ray
+
         return ray.get(self.actor.take_hang.remote())
 
     def close(self) -> None:
+        import ray
+
         ray.kill(self.actor)
 
 
@@ -136,6 +146,11 @@ class PreemptionCheck:
         self._steps: list[float] = []
         self._since: Optional[float] = None  # when the last ask returned
         self._answered: set[int] = set()  # the deadlines of notices already checkpointed
+        self._ask = None  # Ray Train's own question, where notices are on
+        if notices:
+            import ray.train
+
+            self._ask = ray.train.get_preemption_info
 
     def notice(self, step: int):
         """Ray Train's PreemptionInfo or a `Stop` at this step, the first time it is seen; None
@@ -143,7 +158,7 @@ class PreemptionCheck:
         if not (self.notices or self.stop_flag) or (self.every and step % self.every):
             return None
         start = time.perf_counter()
-        info = ray.train.get_preemption_info() if self.notices else None
+        info = self._ask() if self._ask else None
         stop = self._stop_requested()
         done = time.perf_counter()
         if self.every is None:

@@ -27,9 +27,9 @@ class Worker:
     device: torch.device
     report: Reporter  # this rank's log, and the events the driver's console shows
     marks: dict  # start-up times so far (wall clock), for the first step's breakdown
-    local: bool = False  # see loop.WorkerArgs.local
-    notices: bool = False  # see loop.WorkerArgs.notices
-    stop_flag: Any = None  # see loop.WorkerArgs.stop_flag
+    local: bool = False  # see args.WorkerArgs.local
+    notices: bool = False  # see args.WorkerArgs.notices
+    stop_flag: Any = None  # see args.WorkerArgs.stop_flag
     heartbeat: Optional[Heartbeat] = None  # this rank's progress, which the driver watches for hangs
 
     def latest_checkpoint(self) -> Optional[ray.train.Checkpoint]:

@@ -2,7 +2,8 @@
 
 On Ray, each rank's Ray Train worker starts the script as a child process
 (`worker/script_process.py`) with the environment torchrun would give it, and serves it until it
-ends (`Served`; in local mode the driver starts and serves every rank itself, `driver/scripts.py`):
+ends (`Served`, as `script_on_ray.RayRank`; in local mode the driver starts and serves every rank
+itself, `driver/scripts.py`, and Ray is never imported):
 
 - the script has its process's main thread, its own signal handlers and its own process group,
   whose ranks meet at a fresh store that rank 0's worker hosts, as torchrun's agent does (the
@@ -37,71 +38,16 @@ from contextlib import suppress
 from multiprocessing.connection import Listener
 from typing import Callable, Optional
 
-import ray
-import ray.train
-from ray.train.collective import broadcast_from_rank_zero
 from torch.distributed import TCPStore
 
-from raytrain_app.errors import RankFailed
 from raytrain_app.worker.heartbeat import DONE
 from raytrain_app.worker.lifeline import LIFELINE_ENV
-from raytrain_app.worker.preemption import answered
 from raytrain_app.worker.reporter import Reporter
 from raytrain_app.worker.script_api import RELAY_ENV, RUN_DIR_ENV
 
 TAIL = 20  # lines of output kept to say why a rank failed
 POLL_S = 0.2  # how often the worker looks at the script
-PREEMPTION_MARGIN_S = 30.0  # past a notice's deadline, by which its node should have gone
 LOOK_S = 1.0  # and at stop requests (on Ray, a call to the driver's StopFlag actor)
-
-@ray.remote(num_cpus=0)
-class RestartCount:
-    """How often Ray Train has restarted the worker group: the controller adds, workers read it
-    into TORCHELASTIC_RESTART_COUNT."""
-
-    def __init__(self):
-        self.count = 0
-
-    def add(self) -> None:
-        self.count += 1
-
-    def get(self) -> int:
-        return self.count
-
-
-def run_script_per_worker(args) -> None:
-    """The training function of a script run on Ray (`args`: loop.WorkerArgs): the script's rank, served."""
-    if args.cwd and os.path.isdir(args.cwd):
-        os.chdir(args.cwd)
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    report = Reporter(args.events, rank, args.log_dir, progress=False)
-    # `node`: where the hang watch finds the rank (a Ray node's id); `host`: how a failure names it.
-    node, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-    restarts = ray.get(args.restarts.get.remote())
-    store = _host_store(host, ctx.get_world_size()) if rank == 0 else None  # (held while the script runs)
-    master = broadcast_from_rank_zero((host, store.port) if store else None)
-    script = args.job["script"]
-    report.info("rank %d/%d on node %s (%s): %s %s", rank, ctx.get_world_size(), node, host, script["path"],
-                " ".join(script["args"]))
-    with Relay() as relay:
-        env = {**script_environment(args, relay, node),
-               **torchrun_env(rank, ctx.get_local_rank(), ctx.get_world_size(), ctx.get_local_world_size(),
-                              ctx.get_node_rank(), master, restarts, args.job)}
-        served = RayRank(args, report, relay, node, rank)
-        code = served.run(script_command(script), env)
-    report.sync()
-    if served.preempted_until is not None:
-        # The script checkpointed for a preemption notice and ended; the group has not. It goes on
-        # as the built-in loop's would, until Ray Train restarts it from that checkpoint when the
-        # node goes; a notice without a deadline, or a node that never went, is a failure.
-        time.sleep(max(0.0, served.preempted_until + PREEMPTION_MARGIN_S - time.time()))
-        raise RankFailed(host, f"{script['path']} ended on a preemption notice, and its node did not go by the "
-                               "deadline: restarting from its checkpoint")
-    failure = served.failure(code)
-    if failure:
-        raise RankFailed(host, failure)
-
 
 def script_command(script: dict) -> list[str]:
     return [sys.executable, "-m", "raytrain_app.worker.script_process", script["path"], *script["args"]]
@@ -135,7 +81,7 @@ def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: 
         "ROLE_WORLD_SIZE": world_size,
         "MASTER_ADDR": master[0],
         "MASTER_PORT": master[1],
-        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the server's store, see `_host_store`
+        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the server's store, see `host_store`
         "TORCHELASTIC_RESTART_COUNT": restarts,
         "TORCHELASTIC_MAX_RESTARTS": job["failure"]["max_failures"],
         "TORCHELASTIC_RUN_ID": job["name"],
@@ -143,7 +89,7 @@ def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: 
     return {k: str(v) for k, v in env.items()}
 
 
-def _host_store(host: str, world_size: int) -> TCPStore:
+def host_store(host: str, world_size: int) -> TCPStore:
     """The store the script's ranks meet at (MASTER_ADDR:MASTER_PORT, a free port), hosted by the
     process serving rank 0 as torchrun's agent hosts it: with TORCHELASTIC_USE_AGENT_STORE every
     rank's `init_process_group` is its client. A store served from inside rank 0's script, the
@@ -312,55 +258,6 @@ class Served(abc.ABC):
         with suppress(ProcessLookupError):
             os.kill(process.pid, getattr(signal, name))
         return time.monotonic()
-
-
-class RayRank(Served):
-    """A rank served by its Ray Train worker: reports go to Ray Train, whose controller combines
-    the ranks' rows (driver/trainer.ScriptReports) and keeps the checkpoints."""
-
-    def __init__(self, args, report: Reporter, relay: Relay, node: str, rank: int):
-        super().__init__(args.job["script"], report, relay, node, rank)
-        self.stop_flag, self.notices = args.stop_flag, args.notices
-        self.preempted_until: Optional[float] = None  # a preemption notice's deadline (Unix seconds; 0: none)
-        self.notice = None  # that notice: the checkpoints reported after it answer it
-        self._next_look = 0.0
-
-    def _report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
-        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        if self.notice is not None:
-            # The report's checkpoint answers the notice: the ranks' deaths when the node goes are a
-            # preemption, not a failure (driver/trainer.RestartNotices).
-            metrics = {**metrics, **answered(self.notice)}
-        ray.train.report(metrics, checkpoint=checkpoint)
-
-    def _latest(self) -> Optional[str]:
-        import pyarrow.fs
-
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
-            return checkpoint.path
-        return checkpoint.to_directory()
-
-    def _stop_requested(self, now: bool) -> Optional[str]:
-        """A stop request (SIGUSR1 to `train`, `raytrain-app stop`), or Ray Train's notice that this
-        group's node is being drained. Looked at every `LOOK_S` (a call to the driver's actor)."""
-        if not now and time.monotonic() < self._next_look:
-            return None
-        self._next_look = time.monotonic() + LOOK_S
-        reason = self.stop_flag.get() if self.stop_flag is not None else None
-        if reason:
-            return reason
-        if self.notices:
-            from ray.train.v2._internal.execution.context import get_train_context
-
-            with suppress(Exception):  # this worker's own copy of the notice: asking Ray Train is a collective
-                info = get_train_context().preemption_context.preemption_info
-                if info is not None:
-                    self.notice, self.preempted_until = info, (info.deadline_ms or 0) / 1000
-                    return "a preemption notice"
-        return None
 
 
 def combined(metrics: list[dict]) -> dict:
