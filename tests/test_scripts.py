@@ -219,3 +219,16 @@ def test_the_hf_trainer_pattern_gives_torchrun_losses_and_its_native_warnings_ar
     warning = "find_unused_parameters=True was specified in DDP constructor"  # from reducer.cpp, below Python
     assert any(warning in line for line in lines), lines
     assert warning in (tmp_path / "run" / "logs" / "rank-0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_local_script_run_never_loads_ray(tmp_path):
+    """Local mode launches a script's ranks itself, as torchrun does, and starts about as soon: the
+    driver imports neither Ray nor Ray Train (a second and a half of imports)."""
+    code = ("import sys\nfrom raytrain_app import fit\n"
+            f"fit('examples/torchrun_script/train.py', workers=2, local=True, run_dir={str(tmp_path / 'run')!r}, "
+            "script_args=['--epochs', '1'], echo=lambda line: None)\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[]"
