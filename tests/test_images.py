@@ -220,3 +220,38 @@ def test_transforms_are_recorded_with_the_model(tmp_path):
     assert recipe == {"kind": "images", "features": "image", "label": "label", "shape": [3, 20, 20], "size": 20,
                       "resize": 28, "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25], "classes": CLASSES}
     assert Transforms(size=224).eval_resize == 256  # the usual 0.875 centre crop
+
+
+def webdataset_shards(folder, n: int = 16, per_shard: int = 20, named: bool = False):
+    """Uncompressed tar shards as WebDataset writes them: KEY.jpg or KEY.png beside KEY.cls."""
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = list(samples(n))
+    for start in range(0, len(rows), per_shard):
+        with tarfile.open(folder / f"shard-{start // per_shard:05d}.tar", "w") as tar:
+            for i, (label, name, data) in enumerate(rows[start:start + per_shard], start=start):
+                for member, body in ((f"{i:06d}.{name.split('.')[1]}", data),
+                                     (f"{i:06d}.cls", (CLASSES[label] if named else str(label)).encode())):
+                    info = tarfile.TarInfo(member)
+                    info.size = len(body)
+                    tar.addfile(info, io.BytesIO(body))
+    return folder
+
+
+@pytest.mark.slow
+def test_webdataset_shards_train_and_predict_names_each_member(tmp_path):
+    shards = webdataset_shards(tmp_path / "ids")
+    result = fit(job(shards), run_dir=str(tmp_path / "run"), echo=lambda line: None)
+    rows = metric_rows(result.run_dir)
+    assert rows[-1]["train_samples"] + rows[-1]["eval_samples"] == 48 and rows[-1]["eval_accuracy"] > 0.9
+    out = tmp_path / "predictions.parquet"
+    assert scoring.predict(result.run_dir, str(shards / "shard-00001.tar"), str(out), echo=lambda line: None) == 20
+    predicted = pq.read_table(out).to_pydict()
+    assert predicted["image"][0] == f"{shards / 'shard-00001.tar'}:000020.jpeg"
+    truth = [label for label, _, _ in samples(16)][20:40]
+    assert np.mean(np.array(predicted["prediction"]) == truth) > 0.9
+
+    named = find(str(webdataset_shards(tmp_path / "names", n=4, named=True)))
+    assert named.classes == tuple(CLASSES) and named.labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert named.read(5) == list(samples(4))[5][2]  # the member's bytes, read at its offset

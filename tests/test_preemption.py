@@ -28,6 +28,10 @@ from tests import runrecord
 from tests.commands import command
 from tests.conftest import REPO, running, short_temp_dir
 
+# A node may take minutes to (re)join on CI's two busy cores: `two_nodes` waits up to 300 s for it
+# before a test's own minutes start.
+pytestmark = pytest.mark.timeout(900)
+
 
 @dataclass
 class Cluster:

@@ -1,6 +1,7 @@
 """Encoded images as people store them: JPEG, PNG, WebP (or anything Pillow opens) in an
-ImageFolder tree, local or on object storage, or as bytes in Parquet, either in the Hugging Face
-`datasets` layout (an `image` struct of `bytes` and `path`) or as a plain binary column.
+ImageFolder tree, local or on object storage; as bytes in Parquet, either in the Hugging Face
+`datasets` layout (an `image` struct of `bytes` and `path`) or as a plain binary column; or in
+WebDataset tar shards (`KEY.jpg` beside `KEY.cls`).
 
 Samples stay encoded until a DataLoader worker process reads them: it decodes each one with
 torchvision's decoders (libjpeg-turbo, libpng) and transforms it with torchvision.transforms.v2
@@ -11,8 +12,9 @@ A training sample's random crop and flip are drawn from (the run's seed, the epo
 the same whichever rank, worker process or resume reads it, so a resumed run trains bitwise what
 the uninterrupted one trained (`DrawnShard`).
 
-An ImageFolder tree is listed once and each file read when sampled, so it may be any size. The
-image bytes of Parquet files are held in memory, still encoded (about a tenth of the pixels).
+An ImageFolder tree is listed once and each file read when sampled, so it may be any size; so are
+tar shards, whose headers are read once and each image read at its offset. The image bytes of
+Parquet files are held in memory, still encoded (about a tenth of the pixels).
 
 What the evaluation transform does is the model's to keep (`recipe`): `load_model`, `predict`
 and `evaluate --data` apply it to image files, folders and byte columns.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import tarfile
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
@@ -47,33 +50,51 @@ MAX_LOADER_PROCESSES = 64  # skip counters per DataLoader worker process (and on
 @dataclass(frozen=True)
 class Encoded:
     """Where each sample's encoded bytes are, and its label: files on a pyarrow filesystem
-    (`paths`), or the values of an in-memory binary array (`blobs`, rows `rows` of `origin`)."""
+    (`paths`), members of tar shards there (`members`: shard, offset, size; named `keys`), or the
+    values of an in-memory binary array (`blobs`, rows `rows` of `origin`)."""
 
-    origin: str  # the folder or Parquet path it was found at, as the user gave it
+    origin: str  # the folder, shard or Parquet path it was found at, as the user gave it
     labels: Optional[np.ndarray]  # int64 class ids; None for unlabelled images to predict
     classes: Optional[tuple[str, ...]]  # the names of the class ids, where known
     fs: Optional[pafs.FileSystem] = None
     paths: Optional[np.ndarray] = None  # object array of paths inside `fs`
     blobs: Optional[pa.Array] = None  # binary or large_binary
     rows: Optional[np.ndarray] = None  # each blob's row in `origin`, for messages
+    shards: tuple[str, ...] = ()  # tar files inside `fs`
+    members: Optional[np.ndarray] = None  # int64 (n, 3): each image's shard, data offset and size
+    keys: Optional[np.ndarray] = None  # object array: each image's member name
 
     def __len__(self) -> int:
-        return len(self.paths) if self.paths is not None else len(self.blobs)
+        for held in (self.paths, self.members, self.blobs):
+            if held is not None:
+                return len(held)
+        return 0
 
     def read(self, i: int) -> bytes:
         if self.paths is not None:
             with self.fs.open_input_file(self.paths[i]) as f:
                 return f.readall()
+        if self.members is not None:
+            shard, offset, size = (int(v) for v in self.members[i])
+            with self.fs.open_input_file(self.shards[shard]) as f:
+                f.seek(offset)
+                return f.read(size)
         return self.blobs[i].as_buffer()
 
     def name(self, i: int) -> str:
-        """How a message names sample i: its file, or its row."""
-        return str(self.paths[i]) if self.paths is not None else f"{self.origin} row {int(self.rows[i])}"
+        """How a message names sample i: its file, its shard and member, or its row."""
+        if self.paths is not None:
+            return str(self.paths[i])
+        if self.members is not None:
+            return f"{self.shards[int(self.members[i][0])]}:{self.keys[i]}"
+        return f"{self.origin} row {int(self.rows[i])}"
 
     def take(self, idx: np.ndarray) -> "Encoded":
         labels = None if self.labels is None else self.labels[idx]
         if self.paths is not None:
             return replace(self, labels=labels, paths=self.paths[idx])
+        if self.members is not None:
+            return replace(self, labels=labels, members=self.members[idx], keys=self.keys[idx])
         return replace(self, labels=labels, blobs=self.blobs.take(pa.array(idx)), rows=self.rows[idx])
 
     @property
@@ -83,24 +104,38 @@ class Encoded:
         return int(self.labels.max()) + 1 if self.labels is not None and len(self.labels) else None
 
 
-def is_images(path: str) -> bool:
-    """Whether `path` names image files rather than a table: a folder without Parquet files, or one image."""
-    if path.lower().endswith(IMAGE_SUFFIXES):
-        return True
+def _kind(path: str) -> str:
+    """How `path` holds its images: "parquet", "tar" (WebDataset shards) or "folder" (image files):
+    by its suffix, or for a folder by the files in it (Parquet first, then shards, then images)."""
+    lower = path.lower().rstrip("/")
+    if lower.endswith(".parquet"):
+        return "parquet"
+    if lower.endswith(".tar"):
+        return "tar"
+    if lower.endswith(IMAGE_SUFFIXES):
+        return "folder"
     fs, inside = storage.filesystem_for(path)
     if _info(fs, inside, path).type != pafs.FileType.Directory:
-        return False
-    return not any(f.path.endswith(".parquet") for f in _listing(fs, inside, path))
+        return "parquet"  # a file of another name: read as Parquet, or said not to be
+    names = [f.path.lower() for f in _listing(fs, inside, path) if f.type == pafs.FileType.File]
+    if any(name.endswith(".parquet") for name in names):
+        return "parquet"
+    has_images = any(name.endswith(IMAGE_SUFFIXES) for name in names)
+    return "tar" if any(name.endswith(".tar") for name in names) and not has_images else "folder"
 
 
 def find(path: str, labelled: bool = True, column: str = "image", label: str = "label",
          classes: Optional[Sequence[str]] = None) -> Encoded:
     """The images `path` names: an ImageFolder tree (ROOT/CLASS_NAME/IMAGE, classes numbered in
     sorted order, as torchvision's ImageFolder numbers them), Parquet file(s) with an image column,
-    or, unlabelled, one image or a folder of images. `classes`: the names a model was trained on,
-    which number this data's classes instead of its own."""
-    if path.endswith(".parquet") or not is_images(path):
+    WebDataset tar shards (a shard, or a folder of them), or, unlabelled, one image or a folder of
+    images. `classes`: the names a model was trained on, which number this data's classes instead
+    of its own."""
+    kind = _kind(path)
+    if kind == "parquet":
         return _parquet(path, labelled, column, label, classes)
+    if kind == "tar":
+        return _tars(path, labelled, classes)
     return _folder(path, labelled, classes)
 
 
@@ -145,6 +180,58 @@ def _folder(path: str, labelled: bool, classes: Optional[Sequence[str]]) -> Enco
     ids = {name: i for i, name in enumerate(known)}
     labels = np.array([ids[name] for name in folders], dtype=np.int64)
     return Encoded(path, labels, tuple(known), fs, np.array(files, dtype=object))
+
+
+def _tars(path: str, labelled: bool, classes: Optional[Sequence[str]]) -> Encoded:
+    """WebDataset shards: uncompressed tar files whose members sharing a key (the member's name up
+    to the first dot of its file name) make one sample: an image (`KEY.jpg`, `KEY.png`, ...) and,
+    for training, its label in `KEY.cls` (a class id, or a class name). The headers are read once;
+    each image is read at its offset when sampled."""
+    fs, inside = storage.filesystem_for(path)
+    if _info(fs, inside, path).type == pafs.FileType.File:
+        shards = [inside]
+    else:
+        shards = sorted(f.path for f in _listing(fs, inside, path)
+                        if f.type == pafs.FileType.File and f.path.lower().endswith(".tar"))
+    images: dict[tuple[int, str], tuple[int, int, str]] = {}
+    labels: dict[tuple[int, str], str] = {}
+    for s, shard in enumerate(shards):
+        try:
+            with fs.open_input_file(shard) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    folder, base = posixpath.split(member.name)
+                    stem, _, extension = base.partition(".")
+                    key = (s, posixpath.join(folder, stem))
+                    if f".{extension.lower()}" in IMAGE_SUFFIXES:
+                        images[key] = (member.offset_data, member.size, member.name)
+                    elif extension.lower() == "cls" and labelled:
+                        labels[key] = tar.extractfile(member).read().decode().strip()
+        except (tarfile.TarError, OSError, pa.ArrowException, UnicodeDecodeError) as e:
+            raise UserError(f"{shard}: not a readable tar shard ({e})") from None
+    if not images:
+        raise UserError(f"{path} holds no images in tar shards (KEY.jpg, KEY.png, ... members)")
+    keys = sorted(images)
+    members = np.array([(s, *images[(s, k)][:2]) for s, k in keys], dtype=np.int64)
+    named = np.array([images[key][2] for key in keys], dtype=object)
+    found = Encoded(path, None, None, fs, shards=tuple(shards), members=members, keys=named)
+    if not labelled:
+        return found
+    missing = next((key for key in keys if key not in labels), None)
+    if missing:
+        raise UserError(f"{shards[missing[0]]}: {missing[1]} has no label (a {missing[1]}.cls member)")
+    values = [labels[key] for key in keys]
+    if not classes and all(v.lstrip("-").isdigit() for v in values):  # class ids
+        ids = np.array([int(v) for v in values], dtype=np.int64)
+        return replace(found, labels=ids)
+    known = list(classes) if classes else sorted(set(values))
+    unknown = next((v for v in values if v not in known), None)
+    if unknown is not None:
+        raise UserError(f"{path}: label '{unknown}' is not one of the {len(known)} classes trained on "
+                        f"({', '.join(known[:20])})")
+    ids = {name: i for i, name in enumerate(known)}
+    return replace(found, labels=np.array([ids[v] for v in values], dtype=np.int64), classes=tuple(known))
 
 
 def _parquet(path: str, labelled: bool, column: str, label: str, classes: Optional[Sequence[str]]) -> Encoded:
@@ -372,7 +459,8 @@ def images(path: str, eval_fraction: float, split_seed: int, eval_path: Optional
     or a binary column `column`) and a label column `label` (class ids or names). Training crops
     a random `scale` share of each image at a random aspect `ratio`, resizes it to `size`, may
     flip it, and normalises it by `mean` and `std`; evaluation resizes the shorter side to
-    `resize` (default size / 0.875) and crops the centre. The eval set is `eval_path`, or else a
+    `resize` (default size / 0.875) and crops the centre. `path` may also be WebDataset tar
+    shards (KEY.jpg beside KEY.cls). The eval set is `eval_path`, or else a
     seeded `eval_fraction` of the images. `on_bad`: an image that does not decode stops the run
     with its name (`error`), or is skipped and counted in each epoch's `skipped_images` (`skip`)."""
     if on_bad not in ON_BAD:
