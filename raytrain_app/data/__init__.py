@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from raytrain_app.config import registry
 from raytrain_app.config.sections import DataConfig
 from raytrain_app.data.arrays import ArrayDataset, DeviceBatches, resize_images
-from raytrain_app.data.images import CheckedBatches, EncodedImages, images
+from raytrain_app.data.images import CheckedBatches, EncodedImages, decode_processes, images
 from raytrain_app.data.parquet import csv, digits, parquet
 from raytrain_app.data.parquet_files import ParquetFiles, is_text
 from raytrain_app.data.preprocess import feature_columns
@@ -244,8 +244,8 @@ def loader_workers(setting: Optional[int], ds: Datasets, cpus_per_worker: float)
         return setting
     if isinstance(ds.train, (*BATCHED, ParquetStream)):  # a stream reads ahead in a thread of its own
         return 0
-    if isinstance(ds.train, EncodedImages):  # decoding is the work: a process per CPU, the training one waits
-        return max(1, min(8, int(cpus_per_worker)))
+    if isinstance(ds.train, EncodedImages):
+        return decode_processes(cpus_per_worker)
     return max(0, min(4, int(cpus_per_worker) - 1))
 
 

@@ -47,6 +47,11 @@ ON_BAD = ("error", "skip")
 MAX_LOADER_PROCESSES = 64  # skip counters per DataLoader worker process (and one for the training process)
 
 
+def decode_processes(cpus: float) -> int:
+    """Loader processes that decode images: one per CPU, at most 8; the training process waits."""
+    return max(1, min(8, int(cpus)))
+
+
 @dataclass(frozen=True)
 class Encoded:
     """Where each sample's encoded bytes are, and its label: files on a pyarrow filesystem

@@ -392,7 +392,7 @@ def predict_images(loaded: Loaded, images: Encoded, chunks: list[int], parts: st
     import torch
     from torch.utils.data import DataLoader
 
-    from raytrain_app.data.images import CheckedBatches, EncodedImages, transforms_of
+    from raytrain_app.data.images import CheckedBatches, EncodedImages, decode_processes, transforms_of
 
     devices = _task_devices()
     model = _model_on(loaded.directory, loaded.job, devices).model  # the loader transforms the images
@@ -401,7 +401,7 @@ def predict_images(loaded: Loaded, images: Encoded, chunks: list[int], parts: st
         idx = np.arange(c * IMAGE_CHUNK, min((c + 1) * IMAGE_CHUNK, len(images)))
         chunk = images.take(idx)
         dataset = EncodedImages(chunk, transforms, train=False)
-        workers = max(1, min(8, int(loaded.job.scaling.cpus_per_worker)))
+        workers = decode_processes(loaded.job.scaling.cpus_per_worker)
         batches = CheckedBatches(DataLoader(dataset, batch_size=batch_size, num_workers=workers,
                                             collate_fn=EncodedImages.collate))
         pieces, at = [], 0
