@@ -62,7 +62,7 @@ class CheckpointNotWritten(Exception):
 
 class RestartsSpent(Exception):
     """Raised in Ray Train's controller when the workers' failures spend a restart budget that Ray
-    Train does not keep apart itself (`driver/on_ray.py`, RestartNotices): the failures, by rank,
+    Train does not keep apart itself (`driver/controller.py`, RestartNotices): the failures, by rank,
     for the driver to word as Ray Train's own."""
 
     def __init__(self, worker_failures: dict, hang: Optional[str] = None):

@@ -42,8 +42,10 @@ os.write(2, f"native write from rank {os.environ['RANK']}\\n".encode())  # below
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
         "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "RAYTRAIN_RUN_DIR"]
 dist.init_process_group("gloo")  # from the environment, as under torchrun
+with open(f"/proc/{os.getppid()}/maps") as maps:  # what the process serving this rank has loaded
+    serving_torch = "libtorch_cpu" in maps.read()
 print("env " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv, "cwd": os.getcwd(),
-                           "main": __name__}))
+                           "main": __name__, "serving_torch": serving_torch}))
 raytrain_app.report({"rank_value": dist.get_rank(), "name": f"rank {dist.get_rank()}"})
 if dist.get_rank() == 1:
     raise RuntimeError("boom on rank 1")
@@ -71,8 +73,8 @@ def test_a_tutorial_script_runs_unchanged_and_matches_torchrun(tmp_path, torchru
 
 
 def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environment(tmp_path, engine):
-    """Also: the script may set a signal handler, and what it writes below Python (a native
-    library's stderr) is on the console and in the rank's log."""
+    """Also: the script may set a signal handler, what it writes below Python (a native library's
+    stderr) is on the console and in the rank's log, and on Ray no worker but rank 0's loads torch."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     lines = []
@@ -92,6 +94,9 @@ def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environmen
         assert env["RAYTRAIN_RUN_DIR"] == str(tmp_path / "run")
         assert probe["argv"] == [str(script), "--flag", "value"] and probe["main"] == "__main__"
     assert seen[0]["env"]["MASTER_PORT"] == seen[1]["env"]["MASTER_PORT"]
+    # On Ray, only rank 0's worker loads torch (for the ranks' store): the others start and serve
+    # their script's process, which loads its own. In local mode the driver, which has, serves all.
+    assert seen[1]["serving_torch"] == (engine == "local")
     assert "Traceback" in (logs / "rank-1.log").read_text()  # the whole story stays in the rank's log
     assert "native write from rank 1" in (logs / "rank-1.log").read_text()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -1,13 +1,13 @@
-"""The driver's Ray side: Ray Train's TorchTrainer built from the plan and run, the actors the
-workers report to, the callbacks in Ray Train's controller, and its failures worded. Only a run
-on Ray (or Ray Train's local mode) loads it: a script's ranks in local mode never load Ray.
+"""The driver's Ray side: Ray Train's trainer built from the plan and run, the actors the
+workers report to, and its failures worded (the callbacks it runs in its controller are in
+`controller.py`). Only a run on Ray (or Ray Train's local mode) loads it: a script's ranks in
+local mode never load Ray.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import time
 from contextlib import suppress
 from typing import Optional, Sequence
 
@@ -15,16 +15,17 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.callback import UserCallback
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_app import rundir, storage
 from raytrain_app.cluster.session import lost_local_node
 from raytrain_app.config import JobConfig
-from raytrain_app.config.sections import FailureConfig, ScalingConfig
+from raytrain_app.config.sections import ScalingConfig
 from raytrain_app.data.raydata import read_train
 from raytrain_app.driver import placement
-from raytrain_app.driver.hangs import who
+from raytrain_app.driver.controller import RestartNotices, ScriptReports
 from raytrain_app.driver.signals import handlers_kept
 from raytrain_app.errors import (
     CheckpointNotWritten,
@@ -38,12 +39,10 @@ from raytrain_app.errors import (
     timed_out,
 )
 from raytrain_app.rayinternals import placement_timed_out
-from raytrain_app.worker import preemption
 from raytrain_app.worker.args import WorkerArgs
 from raytrain_app.worker.loop import train_loop_per_worker
 from raytrain_app.worker.preemption import StopFlag
-from raytrain_app.worker.script import combined
-from raytrain_app.worker.script_on_ray import RestartCount, run_script_per_worker
+from raytrain_app.worker.script_on_ray import RestartCount, ScriptBackendConfig, run_script_per_worker
 
 
 def channels(config: JobConfig) -> tuple[Queue, Optional[RestartCount], StopFlag]:
@@ -78,13 +77,14 @@ def fit(args: WorkerArgs, config: JobConfig, run_dir: str, listener,
 
 
 def _trainer(args: WorkerArgs, config: JobConfig, run_dir: str, history: rundir.MetricsLog,
-             callbacks: Sequence[UserCallback], flag: StopFlag) -> TorchTrainer:
+             callbacks: Sequence[UserCallback], flag: StopFlag) -> DataParallelTrainer:
     callbacks = [RestartNotices(args.events, run_dir, config.failure, args.restarts, flag), *callbacks]
     if config.script:
         callbacks.append(ScriptReports(args.events, run_dir))
-    return torch_trainer(
+    return ray_trainer(
         functools.partial(run_script_per_worker if config.script else train_loop_per_worker, args), config.scaling,
         datasets={"train": read_train(config.data)} if config.data.engine == "ray_data" else None,
+        script=bool(config.script),
         run_config=ray.train.RunConfig(
             name=os.path.basename(run_dir),
             storage_path=os.path.dirname(run_dir),
@@ -98,7 +98,7 @@ def _trainer(args: WorkerArgs, config: JobConfig, run_dir: str, history: rundir.
         ),
     )
 
-def _fit(trainer: TorchTrainer, config: JobConfig, run_dir: str, watch: placement.RoomWatch):
+def _fit(trainer: DataParallelTrainer, config: JobConfig, run_dir: str, watch: placement.RoomWatch):
     watch.start()
     try:
         with handlers_kept():  # Ray Train's SIGINT handler stops this run, and no later one
@@ -169,105 +169,20 @@ def shipped_working_dir() -> bool:
     """Inside a Ray job that uploaded a working_dir, every worker already runs in its own copy of it."""
     return bool(ray.get_runtime_context().runtime_env.get("working_dir"))
 
-class RestartNotices(UserCallback):
-    """In Ray Train's controller: one console line when a worker fails and the group restarts, and
-    the count of failures against `failure.max_failures` apart from preemptions.
-
-    Ray's own account of a dead worker is a paragraph printed by the driver (kept in driver.log);
-    this says which rank failed, where, why, and which checkpoint the restart continues from.
-
-    Ray Train charges a preemption to `max_preemption_failures` only when the node went after its
-    drain's deadline (Ray then marks its workers' deaths `preempted`, or stops the group itself);
-    a node stopped before it (a cloud that reclaims early, a pod's shorter grace) kills the
-    workers in what Ray Train counts as a plain failure. Its policy is not ours to set, so Ray
-    Train gets both budgets as one (`failure_config`) and this keeps them apart: ranks that died
-    within a notice the workers answered (`preemption.ANSWERED`, in the report of the checkpoint
-    they wrote for it) count as a preemption, others as a failure. A budget spent ends the run
-    from here (`RestartsSpent`, which Ray Train raises as a controller error: `explain_failure`
-    words it as it words Ray Train's own).
-    """
-
-    def __init__(self, events: Queue, run_dir: str, failure: FailureConfig, restarts=None, stop_flag=None):
-        self.events, self.run_dir, self.stop_flag = events, run_dir, stop_flag
-        self.budgets = {"restart": failure.max_failures, "preemption": failure.max_preemption_failures}
-        self.grace_ms = failure.preemption_grace_s * 1000
-        self.restarts = restarts  # a script run's RestartCount
-        self.spent = {"restart": 0, "preemption": 0}
-        self.latest: Optional[str] = None
-        self.answered: Optional[dict] = None  # the latest notice the workers answered: its ranks and deadline
-
-    def after_report(self, run_context, metrics, checkpoint) -> None:
-        if checkpoint is not None:
-            self.latest = storage.checkpoint_uri(self.run_dir, checkpoint)
-        self.answered = metrics[0].get(preemption.ANSWERED) or self.answered
-
-    def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        self.events.put(("ended", None))
-        # A rank whose process died is the cause; the others' broken collectives are the effect.
-        died = [r for r, e in worker_exceptions.items() if process_died(e)]
-        rank = min(died or worker_exceptions)
-        what = describe_rank(rank, worker_exceptions[rank])
-        hang = self.stop_flag.take_hang() if self.stop_flag is not None else None
-        then = f"restarting from {self.latest or 'the start'}"
-        if hang:  # the driver's hang watch killed the rank (and said why): a failure, said as the hang it was
-            what = who(hang)
-        if any(_preempted_by_ray(e) for e in worker_exceptions.values()):  # Ray Train counts it itself
-            kind, said = "preemption", f"its node was preempted: {then}"
-        else:
-            kind = "preemption" if self._drained(died) else "restart"
-            self.answered = None  # the next group's notices are its own
-            self.spent[kind] += 1
-            budget = self.budgets[kind]
-            if budget != -1 and self.spent[kind] > budget:
-                raise RestartsSpent(worker_exceptions, hang)
-            drained = "its node was being drained (a preemption); " if kind == "preemption" else ""
-            said = f"{drained}{then} ({kind} {self.spent[kind]} of {'unlimited' if budget == -1 else budget})"
-        if self.restarts is not None:
-            self.restarts.add.remote()
-        self.events.put(("notice", f"{what}; {said}"))
-        rundir.record_restart(self.run_dir, "hang" if hang and kind == "restart" else kind, hang or what)
-
-    def _drained(self, died: list[int]) -> bool:
-        """The ranks died within the notice the workers answered: before its deadline (and grace),
-        which Ray Train would have waited out, on the nodes it named."""
-        notice = self.answered
-        if not (notice and died and set(died) <= set(notice["ranks"])):
-            return False
-        return not notice["deadline_ms"] or time.time() * 1000 <= notice["deadline_ms"] + self.grace_ms
-
-
-def _preempted_by_ray(e: BaseException) -> bool:
-    """Ray marked the worker's death a preemption (its node went at its drain's deadline), as
-    Ray Train's policy reads it: a health check's failure wrapping a `RayActorError.preempted`."""
-    return bool(getattr(getattr(e, "health_check_failure", e), "preempted", False))
-
-
-class ScriptReports(UserCallback):
-    """In Ray Train's controller: each `raytrain_app.report` of a script, all ranks' values
-    combined (`script.combined`), to the driver's metrics.jsonl."""
-
-    def __init__(self, events: Queue, run_dir: str):
-        self.events, self.run_dir = events, run_dir
-
-    def after_report(self, run_context, metrics, checkpoint) -> None:
-        row = combined(metrics)
-        row.pop(preemption.ANSWERED, None)  # the restart accounting's (RestartNotices), not the script's
-        if checkpoint is not None:
-            row["checkpoint"] = storage.checkpoint_uri(self.run_dir, checkpoint)
-        self.events.put(("report", row))
-
-def torch_trainer(loop, scaling: ScalingConfig, run_config: ray.train.RunConfig,
-                  datasets: Optional[dict] = None) -> TorchTrainer:
-    """Ray Train's trainer running `loop` on `scaling`'s workers: training's and evaluation's, so
-    both place their workers alike (resources, placement, backend)."""
-    return TorchTrainer(
-        loop,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=(scaling.min_workers, scaling.max_workers) if scaling.elastic else scaling.workers,
-            elastic_resize_monitor_interval_s=scaling.resize_interval_s, use_gpu=scaling.gpus_per_worker > 0,
-            resources_per_worker=scaling.resources, placement_strategy=scaling.placement),
-        torch_config=TorchConfig(backend=scaling.backend, timeout_s=scaling.timeout_s),
-        datasets=datasets, run_config=run_config)
+def ray_trainer(loop, scaling: ScalingConfig, run_config: ray.train.RunConfig,
+               datasets: Optional[dict] = None, script: bool = False) -> DataParallelTrainer:
+    """Ray Train's trainer running `loop` on `scaling`'s workers: training's, evaluation's and a
+    script's, so all place their workers alike. The built-in loop's workers join a torch process
+    group (TorchTrainer); a script's workers join none, since the script makes its own."""
+    scaling_config = ray.train.ScalingConfig(
+        num_workers=(scaling.min_workers, scaling.max_workers) if scaling.elastic else scaling.workers,
+        elastic_resize_monitor_interval_s=scaling.resize_interval_s, use_gpu=scaling.gpus_per_worker > 0,
+        resources_per_worker=scaling.resources, placement_strategy=scaling.placement)
+    if script:
+        return DataParallelTrainer(loop, backend_config=ScriptBackendConfig(), scaling_config=scaling_config,
+                                   run_config=run_config)
+    return TorchTrainer(loop, scaling_config=scaling_config, datasets=datasets, run_config=run_config,
+                        torch_config=TorchConfig(backend=scaling.backend, timeout_s=scaling.timeout_s))
 
 
 def explain_failure(error: ray.train.TrainingFailedError, config: JobConfig,

@@ -185,10 +185,10 @@ def _on_ray(evaluating: Callable[[], None], loaded: "Loaded", address: Optional[
            echo: Callable[[str], None]) -> None:
     import ray.train  # after the checks: a wrong directory or file is reported without loading Ray
 
-    from raytrain_app.driver.on_ray import explain_failure, torch_trainer
+    from raytrain_app.driver.on_ray import explain_failure, ray_trainer
 
     with cluster_for(loaded.job.scaling, address, LOG_DIR, verbose, echo), tempfile.TemporaryDirectory() as scratch:
-        trainer = torch_trainer(evaluating, loaded.job.scaling,
+        trainer = ray_trainer(evaluating, loaded.job.scaling,
                                 run_config=ray.train.RunConfig(name="evaluate", storage_path=scratch))
         try:
             trainer.fit()

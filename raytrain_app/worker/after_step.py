@@ -4,6 +4,11 @@ After a step: the start-up breakdown at a fresh run's first step, the trackers' 
 mid-epoch checkpoint every `checkpoint.every_steps` steps, and the answer to a preemption notice
 or a stop request (`preemption.py`): a checkpoint at the step the loop is at.
 
+Asking for a notice is a collective (every rank must ask at the same steps), and asking at every
+step would cost more than a small model's step, so the first `MEASURED` steps each ask and time
+it, the ranks agree on the largest interval any of them needs for the asking to cost under
+`BUDGET` of the step time, and from then on they ask every that many steps (`PreemptionCheck`).
+
 With `checkpoint.async`, checkpoints are written in the background (`Background`): the loop
 pauses only while the state is copied to host memory.
 """
@@ -11,8 +16,10 @@ pauses only while the state is copied to host memory.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -27,15 +34,19 @@ import torch
 
 from raytrain_app.config import JobConfig
 from raytrain_app.console import startup_phases
+from raytrain_app.distributed import global_max
 from raytrain_app.errors import CheckpointNotWritten, last_line
 from raytrain_app.tracking import Trackers
 from raytrain_app.worker import checkpoint, preemption
 from raytrain_app.worker.compile_cache import CompileCache, give_way
 from raytrain_app.worker.heartbeat import CHECKPOINT
 from raytrain_app.worker.nonfinite import LossCheck
-from raytrain_app.worker.preemption import PreemptionCheck
 from raytrain_app.worker.rank import Worker
 from raytrain_app.worker.state import TrainState
+
+BUDGET = 0.01  # of the step time, for asking after notices
+MEASURED = 8  # steps that ask at every step, timing it
+LONGEST = 1000  # steps between asks, at most
 
 
 class AfterStep:
@@ -254,3 +265,58 @@ def _write_error(e: OSError, where: str) -> str:
         with suppress(OSError):
             cause += f" ({shutil.disk_usage(where).free / 2**20:.0f} MB free)"
     return cause
+
+
+class PreemptionCheck:
+    """Whether a notice or a stop request came, asked after the steps the module's docstring says."""
+
+    def __init__(self, notices: bool, stop_flag, rank: int, device: torch.device,
+                 log: Callable[[str], None] = lambda line: None):
+        self.notices, self.stop_flag, self.rank, self.device, self.log = notices, stop_flag, rank, device, log
+        self.every: Optional[int] = None  # decided after MEASURED asks
+        self._costs: list[float] = []
+        self._steps: list[float] = []
+        self._since: Optional[float] = None  # when the last ask returned
+        self._answered: set[int] = set()  # the deadlines of notices already checkpointed
+        self._ask = ray.train.get_preemption_info if notices else None  # Ray Train's own question
+
+    def notice(self, step: int):
+        """Ray Train's PreemptionInfo or a `Stop` at this step, the first time it is seen; None
+        between asks, when there is none, and for one already answered."""
+        if not (self.notices or self.stop_flag) or (self.every and step % self.every):
+            return None
+        start = time.perf_counter()
+        info = self._ask() if self._ask else None
+        stop = self._stop_requested()
+        done = time.perf_counter()
+        if self.every is None:
+            self._measure(start, done)
+        if stop:
+            return stop
+        key = (info.deadline_ms or 0) if info else None
+        if info is None or key in self._answered:
+            return None
+        self._answered.add(key)
+        return info
+
+    def _stop_requested(self) -> Optional[preemption.Stop]:
+        """Rank 0 reads the flag, and every rank learns its answer (one all-reduce)."""
+        if self.stop_flag is None:
+            return None
+        reason = self.stop_flag.get() if self.rank == 0 else None
+        if not global_max(int(reason is not None), self.device):
+            return None
+        return preemption.Stop(reason or "a stop request")
+
+    def _measure(self, start: float, done: float) -> None:
+        self._costs.append(done - start)
+        if self._since is not None:
+            self._steps.append(start - self._since)
+        self._since = done
+        if len(self._costs) < MEASURED:
+            return
+        step, cost = max(statistics.median(self._steps), 1e-6), statistics.median(self._costs)
+        wanted = min(LONGEST, max(1, math.ceil(cost / (BUDGET * step))))
+        self.every = int(global_max(wanted, self.device))  # every rank must ask at the same steps
+        self.log(f"preemption notices: asked every {self.every} steps ({cost * 1e3:.2f} ms an ask, "
+                 f"{step * 1e3:.2f} ms a step here)")

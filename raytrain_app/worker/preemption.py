@@ -9,33 +9,22 @@ checkpoint, kept like any other):
   preemption (`--signal=B:USR1@GRACE`), and sets its `StopFlag` (in local mode, a `StopFile`). The run stops after the
   checkpoint, to be continued by `--resume` (SLURM's requeue).
 
-Asking is a collective (every rank must ask at the same steps), and asking at every step would
-cost more than a small model's step, so the first `MEASURED` steps each ask and time it, the ranks
-agree on the largest interval any of them needs for the asking to cost under `BUDGET` of the step
-time, and from then on they ask every that many steps.
+The loop asks for them after its steps (`after_step.PreemptionCheck`); a script's Ray worker
+answers them for its script (`script_on_ray.py`), and loads neither torch nor, until asked, Ray.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
-import torch
-
-from raytrain_app.distributed import global_max
-
-BUDGET = 0.01  # of the step time
 # The report key under which the checkpoint answering a Ray Train notice names the notice's ranks
-# and deadline, for the controller's restart accounting (driver/on_ray.py, RestartNotices).
+# and deadline, for the controller's restart accounting (driver/controller.py, RestartNotices).
 ANSWERED = "preemption_notice"
-MEASURED = 8  # steps that ask at every step, timing it
-LONGEST = 1000  # steps between asks, at most
 
 
 class _Flag:
@@ -135,63 +124,6 @@ class Stopping(Exception):
     def __init__(self, where: dict):
         self.where = where
         super().__init__(f"stopping at step {where['step']}")
-
-
-class PreemptionCheck:
-    def __init__(self, notices: bool, stop_flag, rank: int, device: torch.device,
-                 log: Callable[[str], None] = lambda line: None):
-        self.notices, self.stop_flag, self.rank, self.device, self.log = notices, stop_flag, rank, device, log
-        self.every: Optional[int] = None  # decided after MEASURED asks
-        self._costs: list[float] = []
-        self._steps: list[float] = []
-        self._since: Optional[float] = None  # when the last ask returned
-        self._answered: set[int] = set()  # the deadlines of notices already checkpointed
-        self._ask = None  # Ray Train's own question, where notices are on
-        if notices:
-            import ray.train
-
-            self._ask = ray.train.get_preemption_info
-
-    def notice(self, step: int):
-        """Ray Train's PreemptionInfo or a `Stop` at this step, the first time it is seen; None
-        between asks, when there is none, and for one already answered."""
-        if not (self.notices or self.stop_flag) or (self.every and step % self.every):
-            return None
-        start = time.perf_counter()
-        info = self._ask() if self._ask else None
-        stop = self._stop_requested()
-        done = time.perf_counter()
-        if self.every is None:
-            self._measure(start, done)
-        if stop:
-            return stop
-        key = (info.deadline_ms or 0) if info else None
-        if info is None or key in self._answered:
-            return None
-        self._answered.add(key)
-        return info
-
-    def _stop_requested(self) -> Optional[Stop]:
-        """Rank 0 reads the flag, and every rank learns its answer (one all-reduce)."""
-        if self.stop_flag is None:
-            return None
-        reason = self.stop_flag.get() if self.rank == 0 else None
-        if not global_max(int(reason is not None), self.device):
-            return None
-        return Stop(reason or "a stop request")
-
-    def _measure(self, start: float, done: float) -> None:
-        self._costs.append(done - start)
-        if self._since is not None:
-            self._steps.append(start - self._since)
-        self._since = done
-        if len(self._costs) < MEASURED:
-            return
-        step, cost = max(statistics.median(self._steps), 1e-6), statistics.median(self._costs)
-        wanted = min(LONGEST, max(1, math.ceil(cost / (BUDGET * step))))
-        self.every = int(global_max(wanted, self.device))  # every rank must ask at the same steps
-        self.log(f"preemption notices: asked every {self.every} steps ({cost * 1e3:.2f} ms an ask, "
-                 f"{step * 1e3:.2f} ms a step here)")
 
 
 def describe(notice, step: int, epoch: int, batch: int, epoch_end: bool) -> str:

@@ -38,8 +38,6 @@ from contextlib import suppress
 from multiprocessing.connection import Listener
 from typing import Callable, Optional
 
-from torch.distributed import TCPStore
-
 from raytrain_app.worker.heartbeat import DONE
 from raytrain_app.worker.lifeline import LIFELINE_ENV
 from raytrain_app.worker.reporter import Reporter
@@ -81,22 +79,12 @@ def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: 
         "ROLE_WORLD_SIZE": world_size,
         "MASTER_ADDR": master[0],
         "MASTER_PORT": master[1],
-        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the server's store, see `host_store`
+        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the server's store
         "TORCHELASTIC_RESTART_COUNT": restarts,
         "TORCHELASTIC_MAX_RESTARTS": job["failure"]["max_failures"],
         "TORCHELASTIC_RUN_ID": job["name"],
     }
     return {k: str(v) for k, v in env.items()}
-
-
-def host_store(host: str, world_size: int) -> TCPStore:
-    """The store the script's ranks meet at (MASTER_ADDR:MASTER_PORT, a free port), hosted by the
-    process serving rank 0 as torchrun's agent hosts it: with TORCHELASTIC_USE_AGENT_STORE every
-    rank's `init_process_group` is its client. A store served from inside rank 0's script, the
-    alternative, is torn down with that process's interpreter while its peers may still talk to
-    it, and that teardown has aborted the process ("terminate called without an active
-    exception") after the script had ended well."""
-    return TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
 
 
 class Relay:
@@ -154,15 +142,16 @@ class Served(abc.ABC):
         self.abandoned = threading.Event()  # set by the server: its group is ending, the script is killed
 
     def run(self, command: list[str], env: dict, started: Optional[Callable[[subprocess.Popen], None]] = None) -> int:
+        """The script's exit status; `started` is called with its process, as it starts."""
         # A session of its own: the whole of it (its DataLoader workers too) is stopped at once.
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, start_new_session=True)
-        if started:
-            started(process)
         reading = threading.Thread(target=self._read, args=(process.stdout,), name="script-output", daemon=True)
         reading.start()
         stopping: Optional[float] = None  # when the stop signal was sent
         try:
+            if started:
+                started(process)
             while True:
                 self._pass_beats()
                 if self.abandoned.is_set() and process.poll() is None:
