@@ -22,6 +22,7 @@ from raytrain_app.config.sections import DataConfig
 from raytrain_app.data import DrawnShard, build_datasets, loader_workers, train_loader
 from raytrain_app.data.images import EncodedImages, Transforms, find
 from raytrain_app.inference import scoring
+from raytrain_app.inference.export import export
 from tests.commands import command
 from tests.conftest import REPO
 
@@ -85,11 +86,17 @@ def metric_rows(run_dir) -> list[dict]:
         return [row for row in map(json.loads, f) if "epoch" in row]
 
 
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """A run trained on an ImageFolder tree, and a held-out tree of other images."""
+    root = tmp_path_factory.mktemp("images")
+    held_out = image_folder(root / "held-out", n=8, seed=1)
+    return fit(job(image_folder(root / "train")), run_dir=str(root / "run"), echo=lambda line: None), held_out
+
+
 @pytest.mark.slow
-def test_an_image_folder_trains_and_predict_on_its_files_agrees_with_evaluate_and_load_model(tmp_path):
-    folder = image_folder(tmp_path / "train")
-    held_out = image_folder(tmp_path / "held-out", n=8, seed=1)
-    result = fit(job(folder), run_dir=str(tmp_path / "run"), echo=lambda line: None)
+def test_an_image_folder_trains_and_predict_on_its_files_agrees_with_evaluate_and_load_model(folder_run, tmp_path):
+    result, held_out = folder_run
     assert [row["epoch"] for row in metric_rows(result.run_dir)] == [1, 2, 3]
     assert metric_rows(result.run_dir)[-1]["eval_accuracy"] > 0.9  # the bar's place is learnt
 
@@ -109,6 +116,33 @@ def test_an_image_folder_trains_and_predict_on_its_files_agrees_with_evaluate_an
     assert by_path.indices.tolist() == by_bytes.tolist() == predicted["prediction"]
     assert by_path.values.tolist() == pytest.approx(predicted["probability"], abs=1e-5)  # the same eval transform
     assert model.class_names == CLASSES
+
+
+@pytest.mark.slow
+def test_an_image_model_exports_as_torchscript_and_onnx_taking_pixels_cropped_as_its_json_says(folder_run, tmp_path):
+    """Cropped here by torchvision's own transforms, from what the JSON says, the held-out images
+    give the traced file, onnxruntime and load_model of the export what load_model of the run gives
+    on the files."""
+    import onnxruntime
+    import torchvision.transforms.v2 as T
+    from torchvision.io import ImageReadMode, decode_image
+
+    result, held_out = folder_run
+    files = sorted(str(path) for path in held_out.rglob("*.*"))
+    with torch.no_grad():
+        expected = load_model(result.run_dir)(files)
+    traced = export(result.run_dir, "torchscript", output=str(tmp_path / "model.torchscript.pt"))
+    onnx = export(result.run_dir, "onnx", output=str(tmp_path / "model.onnx"))
+    manifest = json.loads(open(traced.manifest).read())
+    recipe, spec = manifest["preprocessing"], manifest["example_input"]
+    crop = T.Compose([T.Resize(recipe["resize"], antialias=True), T.CenterCrop(recipe["size"])])
+    pixels = torch.stack([crop(decode_image(path, mode=ImageReadMode.RGB)) for path in files])
+    assert (spec["dtype"], spec["shape"][1:]) == ("uint8", list(pixels.shape[1:]))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.load(traced.weights)(pixels), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(load_model(traced.weights)(files), expected, rtol=0, atol=0)
+    session = onnxruntime.InferenceSession(onnx.weights, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": pixels.numpy()})[0], expected.numpy(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

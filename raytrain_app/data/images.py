@@ -510,17 +510,32 @@ class ImagePreprocess(nn.Module):
         transforms = transforms_of(recipe)
         import torchvision.transforms.v2 as T
 
-        self.resize = T.Compose([T.Resize(transforms.eval_resize, antialias=True), T.CenterCrop(transforms.size),
-                                 T.ToDtype(torch.float32, scale=True)])
-        self.register_buffer("mean", torch.tensor(transforms.mean, dtype=torch.float32).reshape(3, 1, 1))
-        self.register_buffer("std", torch.tensor(transforms.std, dtype=torch.float32).reshape(3, 1, 1))
+        self.resize = T.Compose([T.Resize(transforms.eval_resize, antialias=True), T.CenterCrop(transforms.size)])
+        self.normalise = ImageNormalise(recipe)
 
     def forward(self, x) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             x = self.resize(x)
         else:
             x = torch.stack([self.resize(pixels(item)) for item in x])
-        return (x.to(self.mean.device) - self.mean) / self.std
+        return self.normalise(x)
+
+
+class ImageNormalise(nn.Module):
+    """The end of the evaluation transform: images already resized and centre-cropped (a uint8
+    batch, N x 3 x size x size) in, the model's input out. It is what an exported TorchScript or
+    ONNX file holds of the transform: a traced graph would fix the sizes a resize computes from
+    each image's own."""
+
+    def __init__(self, recipe: dict):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(recipe["mean"], dtype=torch.float32).reshape(3, 1, 1))
+        self.register_buffer("std", torch.tensor(recipe["std"], dtype=torch.float32).reshape(3, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torchvision.transforms.v2.functional as F
+
+        return (F.to_dtype(x.to(self.mean.device), torch.float32, scale=True) - self.mean) / self.std
 
 
 def pixels(image) -> torch.Tensor:

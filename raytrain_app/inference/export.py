@@ -10,9 +10,10 @@ the training labels were names, each output's class name, and the preprocessing 
 had (columns, shape, resize, normalisation).
 
 safetensors and pt hold the model as built, whose inputs are preprocessed: the JSON says how.
-TorchScript and ONNX hold the preprocessing too, so they take raw rows as the data stores them.
-`load_exported` (and so `raytrain_app.load_model`) reads an export back into a model that takes
-raw rows.
+TorchScript and ONNX hold the preprocessing too, so they take raw rows as the data stores them;
+for a model trained on encoded images, decoded pixels, resized and cropped as the JSON says (the
+sizes of a resize depend on each image, and a traced graph fixes them). `load_exported` (and
+so `raytrain_app.load_model`) reads an export back into a model that takes raw rows.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def _manifest(saved: dict, source: str, format: str, weights_name: str) -> dict:
         "num_classes": saved["num_classes"],  # the output width: classes, targets, or vocabulary
         "class_names": (recipe or {}).get("classes"),  # output i is class class_names[i] (null: ids only)
         # What this file's forward takes, as a batch of one: where it preprocesses them, raw rows
-        # flat, as a table holds them (TorchScript also takes them shaped as `preprocessing.shape`).
-        "example_input": _example_spec(task, [math.prod(recipe["shape"])] if raw and recipe else saved["input_shape"]),
+        # flat, as a table holds them (TorchScript also takes them shaped as `preprocessing.shape`),
+        # or decoded images, resized and cropped as `preprocessing` says.
+        "example_input": _example_spec(task, recipe if raw else None, saved["input_shape"]),
         "includes_preprocessing": raw,
         # Applied to raw rows as (resize(x.reshape(-1, *shape)) - mean) / std, mean and std shaped
         # stats_shape; `features` are the table's columns, in order.
@@ -131,13 +133,18 @@ def _manifest(saved: dict, source: str, format: str, weights_name: str) -> dict:
     }
 
 
-def _example_spec(task: str, shape) -> dict:
+def _example_spec(task: str, recipe: Optional[dict], input_shape) -> dict:
     """What the forward takes, as a batch of one: a language model reads T token ids of its
-    (T + 1)-token samples; every other built-in task reads numbers (any numeric type where the
-    file preprocesses them; float32 for the model as built)."""
+    (T + 1)-token samples; every other built-in task reads numbers, float32 for the model as
+    built. A file that preprocesses (`recipe`) takes raw rows of any numeric type, or, for
+    encoded images, decoded RGB pixels as uint8 (`ImageNormalise`)."""
     if task == "language_model":
-        return {"shape": [1, shape[0] - 1], "dtype": "int64"}
-    return {"shape": [1, *shape], "dtype": "float32"}
+        return {"shape": [1, input_shape[0] - 1], "dtype": "int64"}
+    if recipe and recipe.get("kind") == "images":
+        return {"shape": [1, *recipe["shape"]], "dtype": "uint8",
+                "images": f"RGB, the shorter side resized to {recipe['resize']} and the centre {recipe['size']}x"
+                          f"{recipe['size']} cropped (antialiased bilinear, as torchvision's Resize and CenterCrop)"}
+    return {"shape": [1, *([math.prod(recipe["shape"])] if recipe else input_shape)], "dtype": "float32"}
 
 
 def _version() -> str:
@@ -163,9 +170,14 @@ def _save_pt(weights: dict, manifest: dict, path: str) -> None:
 
 def _model(weights: dict, manifest: dict) -> TrainedModel:
     """The trained model behind its preprocessing, for the formats that hold both (its builder
-    must import here, which safetensors and pt do not need)."""
+    must import here, which safetensors and pt do not need); of an image model's transform, the
+    part a traced graph can hold (`ImageNormalise`)."""
     model = _trained(manifest, None)
     model.model.load_state_dict(weights)
+    if manifest["preprocessing"] and manifest["preprocessing"].get("kind") == "images":
+        from raytrain_app.data.images import ImageNormalise
+
+        model.preprocess = ImageNormalise(manifest["preprocessing"])
     return model.eval()
 
 
@@ -227,6 +239,8 @@ def _probe(model: TrainedModel, manifest: dict) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     if spec["dtype"] == "int64":
         return torch.randint(0, manifest["num_classes"], (5, *spec["shape"][1:]), generator=generator)
+    if spec["dtype"] == "uint8":
+        return torch.randint(0, 256, (5, *spec["shape"][1:]), generator=generator, dtype=torch.uint8)
     rows = torch.randn((5, *spec["shape"][1:]), generator=generator)
     if recipe and not recipe["resize"]:  # on the scale of the data: statistics per value or per channel
         rows = (rows.reshape(5, *recipe["shape"]) * model.preprocess.std + model.preprocess.mean).reshape(rows.shape)
@@ -316,10 +330,7 @@ def load_exported(path: str, model: Optional[Callable] = None) -> TrainedModel:
         raise UserError(f"cannot read {weights}: {storage.explain(e)}") from None
     built = _trained(manifest, model, weights)
     try:
-        if manifest["format"] == "torchscript":  # the traced TrainedModel: preprocessing and model
-            built.load_state_dict(_read_torchscript(data))
-        else:
-            built.model.load_state_dict(READERS[manifest["format"]](data))
+        built.model.load_state_dict(READERS[manifest["format"]](data))
     except RuntimeError as e:  # weights of another model
         raise UserError(f"the weights in {weights} do not fit the model {manifest_path} describes: "
                         f"{str(e).splitlines()[0]}") from None
@@ -361,11 +372,14 @@ def _trained(manifest: dict, model: Optional[Callable], source: str = "") -> Tra
 
 
 def _read_torchscript(data: bytes) -> dict:
+    """The model's weights in a traced TrainedModel; its preprocessing is rebuilt from the JSON."""
     with _jit_deprecation_ignored():
-        return torch.jit.load(io.BytesIO(data), map_location="cpu").state_dict()
+        state = torch.jit.load(io.BytesIO(data), map_location="cpu").state_dict()
+    return {name.removeprefix("model."): t for name, t in state.items() if name.startswith("model.")}
 
 
 READERS: dict[str, Callable[[bytes], dict]] = {
+    "torchscript": _read_torchscript,
     "safetensors": lambda data: _needs("safetensors").load(data),
     "pt": lambda data: torch.load(io.BytesIO(data), map_location="cpu", weights_only=True),
 }
