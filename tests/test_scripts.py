@@ -74,7 +74,7 @@ def test_a_tutorial_script_runs_unchanged_and_matches_torchrun(tmp_path, torchru
 
 def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environment(tmp_path, engine):
     """Also: the script may set a signal handler, what it writes below Python (a native library's
-    stderr) is on the console and in the rank's log, and on Ray no worker but rank 0's loads torch."""
+    stderr) is on the console and in the rank's log, and on Ray no worker loads torch."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     lines = []
@@ -94,9 +94,9 @@ def test_a_rank_that_raises_fails_the_run_naming_it_with_the_torchrun_environmen
         assert env["RAYTRAIN_RUN_DIR"] == str(tmp_path / "run")
         assert probe["argv"] == [str(script), "--flag", "value"] and probe["main"] == "__main__"
     assert seen[0]["env"]["MASTER_PORT"] == seen[1]["env"]["MASTER_PORT"]
-    # On Ray, only rank 0's worker loads torch (for the ranks' store): the others start and serve
-    # their script's process, which loads its own. In local mode the driver, which has, serves all.
-    assert seen[1]["serving_torch"] == (engine == "local")
+    # On Ray, no worker loads torch: each starts and serves its script's process, which loads its
+    # own (rank 0's serves the ranks' store). In local mode the driver, which has, serves them all.
+    assert [probe["serving_torch"] for probe in seen] == [engine == "local"] * 2
     assert "Traceback" in (logs / "rank-1.log").read_text()  # the whole story stays in the rank's log
     assert "native write from rank 1" in (logs / "rank-1.log").read_text()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

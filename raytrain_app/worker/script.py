@@ -6,8 +6,9 @@ ends (`Served`, as `script_on_ray.RayRank`; in local mode the driver starts and 
 itself, `driver/scripts.py`, and Ray is never imported):
 
 - the script has its process's main thread, its own signal handlers and its own process group,
-  whose ranks meet at a fresh store that rank 0's worker hosts, as torchrun's agent does (the
-  worker's group, Ray Train's, is not the script's);
+  whose ranks meet at a fresh store, as torchrun's agent hosts it: in local mode this process
+  hosts it; on Ray, rank 0's script process, on a socket its worker opened (the worker's group,
+  Ray Train's, is not the script's);
 - its stdout and stderr, as file descriptors (a C++ warning, a native crash's message), go line
   by line to the rank's `logs/rank-N.log`, rank 0's also to the console, in order;
 - its `script_api.report` and `latest_checkpoint` calls come over a local socket and are done
@@ -79,7 +80,7 @@ def torchrun_env(rank: int, local_rank: int, world_size: int, local_world_size: 
         "ROLE_WORLD_SIZE": world_size,
         "MASTER_ADDR": master[0],
         "MASTER_PORT": master[1],
-        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is the server's store
+        "TORCHELASTIC_USE_AGENT_STORE": True,  # MASTER_ADDR:MASTER_PORT is a store every rank is a client of
         "TORCHELASTIC_RESTART_COUNT": restarts,
         "TORCHELASTIC_MAX_RESTARTS": job["failure"]["max_failures"],
         "TORCHELASTIC_RUN_ID": job["name"],
@@ -141,11 +142,12 @@ class Served(abc.ABC):
         self.stopped = False  # asked to stop: however it then ended, the run stops
         self.abandoned = threading.Event()  # set by the server: its group is ending, the script is killed
 
-    def run(self, command: list[str], env: dict, started: Optional[Callable[[subprocess.Popen], None]] = None) -> int:
+    def run(self, command: list[str], env: dict, started: Optional[Callable[[subprocess.Popen], None]] = None,
+            pass_fds: tuple[int, ...] = ()) -> int:
         """The script's exit status; `started` is called with its process, as it starts."""
         # A session of its own: the whole of it (its DataLoader workers too) is stopped at once.
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
         reading = threading.Thread(target=self._read, args=(process.stdout,), name="script-output", daemon=True)
         reading.start()
         stopping: Optional[float] = None  # when the stop signal was sent

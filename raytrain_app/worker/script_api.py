@@ -16,6 +16,7 @@ from typing import Optional
 
 RUN_DIR_ENV = "RAYTRAIN_RUN_DIR"
 RELAY_ENV = "RAYTRAIN_RELAY"  # the worker's socket, and its key (hex), for this process alone
+STORE_FD_ENV = "RAYTRAIN_STORE_FD"  # rank 0's, on Ray: the socket to serve the ranks' store on
 
 _requests = None
 _lock = threading.Lock()

@@ -3,10 +3,10 @@ reporting through Ray Train, and a Ray actor counts the group's restarts for the
 TORCHELASTIC_RESTART_COUNT.
 
 The worker only starts and serves the script's process, which makes its own process group: it
-needs no torch process group of Ray Train's (`ScriptBackend`), and loads no torch. Only rank 0's
-worker does, to host the ranks' store, while the scripts' processes load theirs
-(`RendezvousStore`). A worker loading torch and joining a process group before its script's
-process did the same made a run about 5 s slower on two cores.
+needs no torch process group of Ray Train's (`ScriptBackend`), and loads no torch; rank 0's
+script process serves the ranks' store (`rendezvous_socket`). A worker loading torch and joining
+a process group before its script's process did the same made a run about 5 s slower on two
+cores.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from raytrain_app.worker.script import (
     script_environment,
     torchrun_env,
 )
+from raytrain_app.worker.script_api import STORE_FD_ENV
 
 PREEMPTION_MARGIN_S = 30.0  # past a notice's deadline, by which its node should have gone
 
@@ -51,36 +52,6 @@ class ScriptBackendConfig(BackendConfig):
         return ScriptBackend
 
 
-class RendezvousStore:
-    """The store the script's ranks meet at (MASTER_ADDR:MASTER_PORT), hosted by rank 0's worker
-    as torchrun's agent hosts it: with TORCHELASTIC_USE_AGENT_STORE every rank's
-    `init_process_group` is its client. Its socket listens from the start, so that the port goes
-    to every rank and their processes start at once; the store itself, which needs torch, is
-    served on that socket once the script's process is started (`serve`), and clients wait
-    in the socket's backlog until then. A store served from inside rank 0's script, the
-    alternative, is torn down with that process's interpreter while its peers may still talk to
-    it, and that teardown has aborted the process ("terminate called without an active
-    exception") after the script had ended well."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self._socket = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True) \
-            if socket.has_dualstack_ipv6() else socket.create_server(("", 0))
-        self.port = self._socket.getsockname()[1]
-        self._store = None
-
-    def serve(self, host: str) -> None:
-        from torch.distributed import TCPStore
-
-        self._store = TCPStore(host, self.port, self.world_size, is_master=True, wait_for_workers=False,
-                               master_listen_fd=self._socket.fileno())
-        self._socket.detach()  # the store's now
-
-    def close(self) -> None:
-        self._store = None
-        self._socket.close()
-
-
 @ray.remote(num_cpus=0)
 class RestartCount:
     """How often Ray Train has restarted the worker group: the controller adds, workers read it
@@ -96,6 +67,16 @@ class RestartCount:
         return self.count
 
 
+def rendezvous_socket() -> socket.socket:
+    """A socket listening on a free port of this node, on which rank 0's script process serves
+    the store the ranks meet at (`script_process.rendezvous_store`). It listens before any rank
+    starts, so that its port goes to every rank at once, and clients wait in its backlog until
+    the store is served."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", 0))
+
+
 def run_script_per_worker(args) -> None:
     """The training function of a script run on Ray (`args`: args.WorkerArgs): the script's rank, served."""
     if args.cwd and os.path.isdir(args.cwd):
@@ -106,8 +87,8 @@ def run_script_per_worker(args) -> None:
     # `node`: where the hang watch finds the rank (a Ray node's id); `host`: how a failure names it.
     node, host = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
     restarts = ray.get(args.restarts.get.remote())
-    store = RendezvousStore(ctx.get_world_size()) if rank == 0 else None  # (held while the script runs)
-    master = broadcast_from_rank_zero((host, store.port) if store else None)
+    listening = rendezvous_socket() if rank == 0 else None
+    master = broadcast_from_rank_zero((host, listening.getsockname()[1]) if listening else None)
     script = args.job["script"]
     report.info("rank %d/%d on node %s (%s): %s %s", rank, ctx.get_world_size(), node, host, script["path"],
                 " ".join(script["args"]))
@@ -116,11 +97,13 @@ def run_script_per_worker(args) -> None:
                **torchrun_env(rank, ctx.get_local_rank(), ctx.get_world_size(), ctx.get_local_world_size(),
                               ctx.get_node_rank(), master, restarts, args.job)}
         served = RayRank(args, report, relay, node, rank)
+        if listening:  # rank 0's script process serves the store on it (script_process.rendezvous_store)
+            env[STORE_FD_ENV] = str(listening.fileno())
         try:
-            code = served.run(script_command(script), env, started=store and (lambda _: store.serve(host)))
+            code = served.run(script_command(script), env, pass_fds=(listening.fileno(),) if listening else ())
         finally:
-            if store:
-                store.close()
+            if listening:
+                listening.close()
     report.sync()
     if served.preempted_until is not None:
         # The script checkpointed for a preemption notice and ended; the group has not. It goes on
