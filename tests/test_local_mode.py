@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import suppress
 
@@ -59,6 +60,8 @@ def test_local_mode_trains_bitwise_what_ray_train_trains(ray_cluster, tmp_path, 
     kept = [[r["metrics"]["step"] for r in json.loads((tmp_path / mode / "checkpoint_manager_snapshot.json")
                                                       .read_text())["checkpoint_results"]] for mode in ("local", "ray")]
     assert kept[0] == kept[1] and len(names[0]) == len(names[1]) == len(kept[0]) >= 2
+    # A local run leaves no thread behind in the driver's process (a notebook runs many).
+    assert not [thread for thread in threading.enumerate() if thread.name == "driver-inbox"]
 
 
 @pytest.mark.slow

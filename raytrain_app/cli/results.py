@@ -82,7 +82,7 @@ def predict(run_dir, input_path, output, which, workers, batch_size, address, lo
     with exit_codes():
         rows = scoring.predict(run_dir, input_path, output, which, workers, batch_size, address, verbose,
                                click.echo, local)
-        click.echo(f"{rows} predictions in {output}")
+        click.echo(f"{rows} prediction{'' if rows == 1 else 's'} in {output}")
 
 
 @main.command()

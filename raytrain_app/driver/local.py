@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 from contextlib import contextmanager, suppress
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Client, Listener
 from typing import TYPE_CHECKING, Callable, Optional
 
 from raytrain_app.cluster.session import address_from_environment, running_local_cluster
@@ -102,7 +102,8 @@ class Inbox:
         self._authkey = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self._items: queue.Queue = queue.Queue()
-        threading.Thread(target=self._receive, daemon=True).start()
+        self._closing = False
+        threading.Thread(target=self._receive, name="driver-inbox", daemon=True).start()
 
     @property
     def outbox(self) -> Outbox:
@@ -126,6 +127,9 @@ class Inbox:
                 connection = self._listener.accept()
             except OSError:  # closed
                 return
+            if self._closing:  # woken by `close`
+                connection.close()
+                return
             threading.Thread(target=self._drain, args=(connection,), daemon=True).start()
 
     def _drain(self, connection) -> None:
@@ -134,6 +138,10 @@ class Inbox:
                 self._items.put(connection.recv())
 
     def close(self) -> None:
+        """Closing a listening socket does not wake a thread blocked in its `accept`: a connection does."""
+        self._closing = True
+        with suppress(OSError):
+            Client(self._listener.address, authkey=self._authkey).close()
         self._listener.close()
 
 
