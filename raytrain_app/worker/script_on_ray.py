@@ -4,9 +4,9 @@ TORCHELASTIC_RESTART_COUNT.
 
 The worker only starts and serves the script's process, which makes its own process group: it
 needs no torch process group of Ray Train's (`ScriptBackend`), and loads no torch; rank 0's
-script process serves the ranks' store (`rendezvous_socket`). A worker loading torch and joining
-a process group before its script's process did the same made a run about 5 s slower on two
-cores.
+script process serves the ranks' store (`rendezvous_socket`). A worker that loaded torch and
+joined a process group before its script's process did the same cost a run on two cores a few
+seconds (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class ScriptBackend(Backend):
 
 
 class ScriptBackendConfig(BackendConfig):
+    """What a script's `DataParallelTrainer` is given for its backend: `ScriptBackend`."""
+
     @property
     def backend_cls(self):
         return ScriptBackend

@@ -7,6 +7,7 @@ check for the main thread, and checkpoint-on-SIGTERM handlers work as under torc
 starts, a heartbeat thread begins beating to the serving process (which passes the beats on to
 the driver's hang watch): the script's stack, taken from here, is the one thing outside the
 process cannot see. `raytrain_app.script_api` reaches the serving process through the same relay.
+On Ray, rank 0's process also serves the store the ranks meet at (`rendezvous_store`).
 """
 
 from __future__ import annotations
