@@ -120,6 +120,7 @@ class LocalRank(Served):
                          self.script["path"], " ".join(self.script["args"]))
         def started(process) -> None:
             self.pid = process.pid
+            self.stops.started(self)
 
         code = self.run(script_command(self.script), self.env, started=started)
         killed_here = self.abandoned.is_set() and code == -signal.SIGKILL  # (a peer failed first)
@@ -139,6 +140,9 @@ class LocalRank(Served):
 
     def _stop_requested(self, now: bool) -> Optional[str]:
         return self.stops.reason()
+
+    def _signal(self, process, reason: str) -> float:
+        return self.stops.signal_all(reason)
 
 
 class Reports:
@@ -195,6 +199,27 @@ class Stops:
         self.signalled: Optional[str] = None
         self.killing = False
         self._next_look, self._flagged = 0.0, None
+        self._lock = threading.Lock()
+        self._running: list[LocalRank] = []  # the ranks whose processes have started
+        self._stopped: set[int] = set()  # the ranks sent the stop signal
+        self._sent: Optional[float] = None  # when it was first sent
+
+    def started(self, rank: LocalRank) -> None:
+        with self._lock:
+            self._running.append(rank)
+
+    def signal_all(self, reason: str) -> float:
+        """`script.stop_signal` to every rank's process at once, as torchrun's agent passes a
+        signal on, whichever rank's thread saw the reason first; when it was first sent. A rank
+        signalled after its peers would often get it as it exits, its peers having told it to stop
+        (in the script's own collective), when Python has given its handlers up: it died of it."""
+        with self._lock:
+            for rank in self._running:
+                if rank.rank not in self._stopped:
+                    self._stopped.add(rank.rank)
+                    rank.send_stop(rank.pid, reason)
+            self._sent = self._sent or time.monotonic()
+            return self._sent
 
     def reason(self) -> Optional[str]:
         if self.signalled:

@@ -243,12 +243,16 @@ class Served(abc.ABC):
             connection.send(reply)
 
     def _signal(self, process: subprocess.Popen, reason: str) -> float:
+        """Stop the script (`send_stop`); when it was asked to."""
+        self.send_stop(process.pid, reason)
+        return time.monotonic()
+
+    def send_stop(self, pid: int, reason: str) -> None:
         name = self.script["stop_signal"]
-        self.report.say(f"{reason}: {name} to the script (rank {self.rank}, pid {process.pid}), which has "
+        self.report.say(f"{reason}: {name} to the script (rank {self.rank}, pid {pid}), which has "
                         f"{self.script['stop_grace_s']:g}s (script.stop_grace_s) to checkpoint and exit")
         with suppress(ProcessLookupError):
-            os.kill(process.pid, getattr(signal, name))
-        return time.monotonic()
+            os.kill(pid, getattr(signal, name))
 
 
 def combined(metrics: list[dict]) -> dict:
