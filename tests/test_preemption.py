@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -44,6 +46,19 @@ class Cluster:
         self.added.append(localnodes.add_node(self.profile, len(self.added) + 2))
         return self.added[-1]
 
+    def join_node(self) -> psutil.Process:
+        """A node joined, and both nodes' CPUs free. A node that dies while it joins (its ports were
+        free at `cluster up`, and CI's busy machine may have taken one since) gives way to the next
+        one, numbered on, twice."""
+        for _ in range(3):
+            node = self.add_node()
+            if wait_for_both_cpus(self.profile, node):
+                return node
+            log = Path(self.profile.temp_dir) / f"node-{len(self.added) + 1}.log"
+            said = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            print(f"node {node.pid} died while joining: {said[-1] if said else '(no log)'}")
+        pytest.fail("three nodes in turn died while joining the cluster (their logs are in its temp_dir)")
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -73,19 +88,24 @@ def two_nodes(cluster):
     The elastic test comes first, on the fresh cluster: the autoscaling coordinator that sizes
     an elastic group is a detached actor that reads the nodes every 20 s, so a run started just
     after a node joined would start at one worker and grow at its next look."""
-    if not running(cluster.worker):
-        cluster.worker = cluster.add_node().pid
-    wait_for_both_cpus(cluster.profile)
+    if running(cluster.worker):
+        wait_for_both_cpus(cluster.profile)
+    else:
+        cluster.worker = cluster.join_node().pid
     return cluster
 
 
-def wait_for_both_cpus(profile) -> None:
-    """Until both nodes' CPUs are free: a node joined, and no placement group is left."""
+def wait_for_both_cpus(profile, joining: Optional[psutil.Process] = None) -> bool:
+    """Until both nodes' CPUs are free: a node joined, and no placement group is left. False if
+    the `joining` node died first."""
     # (a node may take minutes to join on CI's busy cores)
     dashboard, deadline = Dashboard.for_profile(profile), time.monotonic() + 300
     while sum(node["CPU"] for node in dashboard.free().values()) < 2:
+        if joining is not None and not running(joining.pid):
+            return False
         assert time.monotonic() < deadline, dashboard.free()
         time.sleep(0.5)
+    return True
 
 
 def test_a_range_shrinks_at_a_drain_grows_when_a_node_joins_and_trains_every_sample_once(two_nodes, tmp_path):
@@ -412,8 +432,7 @@ def test_a_drain_reaches_a_scripts_own_handler_whose_checkpoint_the_run_resumes_
         [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert row["step"] == saved and row["checkpoint"] == snapshot.latest(str(run_dir))
 
-        joined = nodes.add_node()
-        wait_for_both_cpus(nodes.profile)
+        joined = nodes.join_node()
         resumed = command(["train", script, "--workers", "2", "--ray", "--resume", "--run-dir", str(run_dir),
                            "--", "--steps", str(saved + 3)], REPO, env, timeout=300)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
