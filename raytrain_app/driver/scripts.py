@@ -200,13 +200,12 @@ class Stops:
         self.killing = False
         self._next_look, self._flagged = 0.0, None
         self._lock = threading.Lock()
-        self._running: list[LocalRank] = []  # the ranks whose processes have started
-        self._stopped: set[int] = set()  # the ranks sent the stop signal
+        self._unsignalled: list[LocalRank] = []  # started ranks not sent the stop signal yet
         self._sent: Optional[float] = None  # when it was first sent
 
     def started(self, rank: LocalRank) -> None:
         with self._lock:
-            self._running.append(rank)
+            self._unsignalled.append(rank)
 
     def signal_all(self, reason: str) -> float:
         """`script.stop_signal` to every rank's process at once, as torchrun's agent passes a
@@ -214,10 +213,9 @@ class Stops:
         signalled after its peers would often get it as it exits, its peers having told it to stop
         (in the script's own collective), when Python has given its handlers up: it died of it."""
         with self._lock:
-            for rank in self._running:
-                if rank.rank not in self._stopped:
-                    self._stopped.add(rank.rank)
-                    rank.send_stop(rank.pid, reason)
+            for rank in self._unsignalled:
+                rank.send_stop(rank.pid, reason)
+            self._unsignalled.clear()
             self._sent = self._sent or time.monotonic()
             return self._sent
 
