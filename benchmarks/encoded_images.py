@@ -10,12 +10,15 @@ the standard training augmentation (random-resized crop, horizontal flip, normal
                    bytes, transforms.v2 on uint8 tensors, each sample's draws from its key
     torchvision    datasets.ImageFolder (Pillow's decoder) with the same transforms.v2 crop and
                    flip on PIL images, then ToImage, ToDtype and Normalize
+    on DEVICE      with --decode-device: raytrain-app's `decode: device`, the loader processes
+                   reading bytes and drawing crops, the batch decoded (nvjpeg on cuda) and cut there
 
 Both read the same files through a DataLoader with `--workers` processes, batch 64. The table
 gives images/s per pipeline (median), images/s per loader process, and the ratio.
 
     python benchmarks/encoded_images.py                      # 600 images, 2 loader processes
     python benchmarks/encoded_images.py --images 3000 --workers 16
+    python benchmarks/encoded_images.py --images 3000 --workers 15 --decode-device cuda
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -52,10 +56,11 @@ def write_images(root: Path, count: int) -> float:
     return statistics.mean(sizes) / 1024
 
 
-def ours(root: Path, workers: int):
-    data = build_datasets(DataConfig(name="images", args={"path": str(root), "size": 224}, eval_fraction=0.01))
-    loader, sampler = train_loader(data, 64, 0, 1, seed=0, workers=workers, pin=False)
-    return loader, sampler
+def ours(root: Path, workers: int, device: Optional[str] = None):
+    args = {"path": str(root), "size": 224, "decode": "device" if device else "loader"}
+    data = build_datasets(DataConfig(name="images", args=args, eval_fraction=0.01))
+    return train_loader(data, 64, 0, 1, seed=0, workers=workers, pin=False,
+                        device=torch.device(device) if device else None)
 
 
 def plain(root: Path, workers: int):
@@ -78,6 +83,8 @@ def epoch_rate(loader, sampler, epoch: int) -> float:
     for x, _ in loader:
         assert x.shape[1:] == (3, 224, 224) and x.dtype == torch.float32
         images += len(x)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
     return images / (time.perf_counter() - start)
 
 
@@ -86,6 +93,7 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=600)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-device", help="also time `decode: device` on this device (cuda, or cpu)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # each loader process is one core's worth, as in training
     with tempfile.TemporaryDirectory(prefix="encoded-images-") as scratch:
@@ -93,6 +101,8 @@ def main() -> int:
         kib = write_images(root, args.images)
         print(f"{args.images} JPEGs of 500x375, {kib:.0f} KiB on average; {args.workers} loader processes, batch 64")
         pipelines = {"raytrain-app": ours(root, args.workers), "torchvision": plain(root, args.workers)}
+        if args.decode_device:
+            pipelines[f"on {args.decode_device}"] = ours(root, args.workers, args.decode_device)
         for loader, sampler in pipelines.values():  # start the loader processes, warm the page cache
             epoch_rate(loader, sampler, 0)
         rates = {name: [] for name in pipelines}
@@ -106,6 +116,10 @@ def main() -> int:
               + " ".join(f"{r:.0f}" for r in runs))
     ratio = statistics.median(rates["raytrain-app"]) / statistics.median(rates["torchvision"])
     print(f"raytrain-app / torchvision: {ratio:.2f}x")
+    if args.decode_device:
+        on_device = statistics.median(rates[f"on {args.decode_device}"])
+        print(f"decoded on {args.decode_device} / in the loader processes: "
+              f"{on_device / statistics.median(rates['raytrain-app']):.2f}x")
     return 0
 
 

@@ -18,8 +18,9 @@
 #                                             # Ray, Gloo) with its flight-recorder dumps, and a
 #                                             # torchrun script on CUDA: torchrun, local mode, Ray
 #   bash benchmarks/gpu_check.sh images       # encoded JPEGs: the decode pipeline against torchvision's
-#                                             # ImageFolder on 15 processes, an ImageNet-shaped
-#                                             # ResNet-50 run from JPEGs against synthetic tensors
+#                                             # ImageFolder on 15 processes and against nvjpeg, an
+#                                             # ImageNet-shaped ResNet-50 run from JPEGs (decoded by
+#                                             # the CPUs, then by nvjpeg) against synthetic tensors
 #
 # `paths`: NCCL at one worker in bf16 (auto precision), fp16 with GradScaler and clipping,
 # compile reduce-overhead (CUDA graphs) with the data on the device, and 2 NCCL workers sharing
@@ -236,7 +237,7 @@ round3)
   ;;
 images)
   echo "== encoded_images.py: 3,000 JPEGs of 500x375 to 224x224 tensors, ours against ImageFolder + DataLoader"
-  python3 benchmarks/encoded_images.py --images 3000 --workers 15 --repeats 2
+  python3 benchmarks/encoded_images.py --images 3000 --workers 15 --repeats 2 --decode-device cuda
   echo "== an ImageNet-shaped run: those JPEGs (data: images), ResNet-50, bf16, batch 256, 15 loader processes"
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import encoded_images as e; from pathlib import Path; \
 print(f'{e.write_images(Path(\"/tmp/jpegs/train\"), 3000):.0f} KiB per image')"
@@ -253,6 +254,8 @@ for row in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")):
 PY
   }
   resnet50 jpegs --set data.name=images --set "data.args={path: /tmp/jpegs/train, size: 224}" \
+    --set data.loader_workers=15
+  resnet50 jpegs-nvjpeg --set data.name=images --set "data.args={path: /tmp/jpegs/train, size: 224, decode: device}" \
     --set data.loader_workers=15
   resnet50 tensors-on-gpu --set data.name=synthetic --set data.on_device=on \
     --set "data.args={shape: [3, 224, 224], train_size: 2850, eval_size: 150}"

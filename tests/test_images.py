@@ -20,7 +20,8 @@ from PIL import Image
 from raytrain_app import fit, load_model
 from raytrain_app.config.sections import DataConfig
 from raytrain_app.data import DrawnShard, build_datasets, loader_workers, train_loader
-from raytrain_app.data.images import EncodedImages, Transforms, find
+from raytrain_app.data.image_sources import find
+from raytrain_app.data.images import EncodedImages, Transforms
 from raytrain_app.inference import scoring
 from raytrain_app.inference.export import export
 from tests.commands import command
@@ -178,12 +179,15 @@ def test_the_converter_keeps_image_bytes_as_they_are_in_the_hugging_face_layout(
 
 
 @pytest.mark.slow
-def test_a_bad_image_is_one_line_naming_it_or_skipped_and_counted(tmp_path):
+@pytest.mark.parametrize("decode", ["loader", "device"])
+def test_a_bad_image_is_one_line_naming_it_or_skipped_and_counted(tmp_path, decode):
+    """Decoded by the loader processes, or by the training process (`decode: device`): the bad
+    JPEG's header reads, so there only the training process finds it bad."""
     folder = image_folder(tmp_path / "photos", n=8)
     bad = folder / "top" / "000.jpeg"
-    bad.write_bytes(bad.read_bytes()[:300])  # truncated, as an interrupted copy leaves it
+    bad.write_bytes(bad.read_bytes()[:-200])  # truncated, as an interrupted copy leaves it
     config = tmp_path / "job.yaml"
-    config.write_text(json.dumps({**job(folder), "train": {"epochs": 2, "batch_size": 8}}))
+    config.write_text(json.dumps({**job(folder, decode=decode), "train": {"epochs": 2, "batch_size": 8}}))
     proc = command(["train", str(config), "--run-dir", str(tmp_path / "stopped")], tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr == (f"error: {bad}: not a readable image (Image is incomplete or truncated); set "
@@ -226,6 +230,14 @@ def test_a_samples_crop_depends_on_the_seed_epoch_and_sample_not_on_who_reads_it
     # Evaluation is the same centre crop every time.
     assert torch.equal(data.eval[0][0], data.eval[0][0])
     assert data.eval[0][0].shape == (3, 16, 16)
+    # Decoded by the training process (on its device: here the CPU), the crops are the same.
+    data = build_datasets(DataConfig(name="images", args={"path": str(folder), "size": 16, "decode": "device"},
+                                     eval_fraction=0.2))
+    on_device = first_epochs(2, 2)
+    assert set(on_device) == set(two)
+    for key, x in on_device.items():
+        assert torch.equal(x, one[key])
+    assert data.input_shape == (3, 16, 16)
 
 
 @pytest.mark.slow

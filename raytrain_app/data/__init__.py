@@ -9,8 +9,10 @@ Batches come either from a DataLoader (host memory, optional worker processes, p
 or, for in-memory datasets that fit, straight from the device (`DeviceBatches`): on a GPU a
 small model's step is shorter than the DataLoader's per-batch overhead, so the data moves once.
 Encoded images (`images`, in images.py) are decoded and augmented per sample in the DataLoader's
-worker processes. Parquet read with `streaming: true` comes a window at a time (`StreamBatches`, in stream.py),
-which shards, shuffles and resumes by itself; with `engine: ray_data`, from Ray Data (raydata.py).
+worker processes, or with `decode: device` read there and decoded a batch at a time on the
+device. Parquet read with `streaming: true` comes a window at a time (`StreamBatches`, in
+stream.py), which shards, shuffles and resumes by itself; with `engine: ray_data`, from Ray Data
+(raydata.py).
 """
 
 from __future__ import annotations
@@ -250,7 +252,7 @@ def loader_workers(setting: Optional[int], ds: Datasets, cpus_per_worker: float)
 
 
 def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, pin: bool, seed: int = 0,
-            resident: bool = False):
+            resident: bool = False, device: Optional[torch.device] = None):
     if resident:
         return DeviceBatches(dataset, sampler, batch_size)
     collate = _as_is if isinstance(dataset, BATCHED) else EncodedImages.collate if isinstance(
@@ -260,7 +262,9 @@ def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, p
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                         collate_fn=collate, pin_memory=pin, persistent_workers=workers > 0,
                         generator=torch.Generator().manual_seed(seed))
-    return CheckedBatches(loader) if isinstance(dataset, EncodedImages) else loader
+    if isinstance(dataset, EncodedImages):
+        return CheckedBatches(loader, device if device is not None else torch.device("cpu"))
+    return loader
 
 
 def _as_is(batch):
@@ -272,7 +276,8 @@ def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed
     """This rank's training batches and their sampler (for `set_epoch` and a mid-epoch `start`);
     `resident`: `ds` is already on the device (`to_device`) and batches are cut there; `engine`
     ray_data: from this worker's Ray Data shard. A Parquet stream moves each window to a CUDA
-    `device` as it reads it, and cuts the batches there."""
+    `device` as it reads it, and cuts the batches there; encoded images with `decode: device` are
+    decoded on `device`."""
     if engine == "ray_data":
         import ray.train
 
@@ -283,7 +288,7 @@ def train_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, seed
         return batches, batches
     shard = DrawnShard if isinstance(ds.train, EncodedImages) else TrainShard
     sampler = shard(ds.train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank, resident), sampler
+    return _loader(ds.train, sampler, batch_size, workers, pin, seed + rank, resident, device), sampler
 
 
 class FirstBatches:
@@ -303,4 +308,5 @@ def eval_loader(ds: Datasets, batch_size: int, rank: int, world_size: int, worke
                 resident: bool = False, device: Optional[torch.device] = None):
     if isinstance(ds.eval, ParquetStream):
         return StreamBatches(ds.eval, batch_size, rank, world_size, 0, train=False, device=device)
-    return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin, 0, resident)
+    return _loader(ds.eval, EvalShard(len(ds.eval), rank, world_size), batch_size, workers, pin, 0, resident,
+                   device)

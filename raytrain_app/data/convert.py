@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pv
 import pyarrow.parquet as pq
 
-from raytrain_app.data.images import IMAGE_SUFFIXES
+from raytrain_app.data.image_sources import IMAGE_SUFFIXES
 from raytrain_app.data.parquet_files import class_ids, class_names, csv_reading, is_text, missing_hint
 from raytrain_app.errors import UserError
 

@@ -1,20 +1,17 @@
-"""Encoded images as people store them: JPEG, PNG, WebP (or anything Pillow opens) in an
-ImageFolder tree, local or on object storage; as bytes in Parquet, either in the Hugging Face
-`datasets` layout (an `image` struct of `bytes` and `path`) or as a plain binary column; or in
-WebDataset tar shards (`KEY.jpg` beside `KEY.cls`).
+"""Encoded images (JPEG, PNG, WebP, or anything Pillow opens) decoded and transformed into the
+model's input; where they are stored, and how they are found, is image_sources.py's.
 
-Samples stay encoded until a DataLoader worker process reads them: it decodes each one with
-torchvision's decoders (libjpeg-turbo, libpng) and transforms it with torchvision.transforms.v2
+By default samples stay encoded until a DataLoader worker process reads them: it decodes each one
+with torchvision's decoders (libjpeg-turbo, libpng) and transforms it with torchvision.transforms.v2
 (training: a random resized crop and a flip; evaluation: a resize and a centre crop), so the
 original pixels reach the crop and decoding runs on as many cores as the loader has workers.
+With `decode: device`, the loader processes only read each JPEG and draw its crop from its header;
+the training process decodes the batch on its device (nvjpeg on a GPU, whose hardware decoder
+leaves the CPUs free) and cuts it there.
 
 A training sample's random crop and flip are drawn from (the run's seed, the epoch, the sample):
-the same whichever rank, worker process or resume reads it, so a resumed run trains bitwise what
-the uninterrupted one trained (`DrawnShard`).
-
-An ImageFolder tree is listed once and each file read when sampled, so it may be any size; so are
-tar shards, whose headers are read once and each image read at its offset. The image bytes of
-Parquet files are held in memory, still encoded (about a tenth of the pixels).
+the same whichever rank, worker process or resume reads it, or wherever it is decoded, so a
+resumed run trains bitwise what the uninterrupted one trained (`DrawnShard`).
 
 What the evaluation transform does is the model's to keep (`recipe`): `load_model`, `predict`
 and `evaluate --data` apply it to image files, folders and byte columns.
@@ -22,275 +19,32 @@ and `evaluate --data` apply it to image files, folders and byte columns.
 
 from __future__ import annotations
 
-import json
-import posixpath
-import tarfile
-from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence, Union
+import io
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from raytrain_app import storage
-from raytrain_app.data.parquet_files import class_ids, class_names, is_text
+from raytrain_app.data.image_sources import Encoded, find
 from raytrain_app.errors import UserError
 
-IMAGE_SUFFIXES = (".bmp", ".jpeg", ".jpg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")  # torchvision's
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 ON_BAD = ("error", "skip")
+DECODE = ("loader", "device")  # where images are decoded: the DataLoader's processes, or the training device
+JPEG_MAGIC = b"\xff\xd8\xff"  # what nvjpeg decodes; other formats are decoded by the loader processes
 MAX_LOADER_PROCESSES = 64  # skip counters per DataLoader worker process (and one for the training process)
 
 
 def decode_processes(cpus: float) -> int:
     """Loader processes that decode images: one per CPU, at most 8; the training process waits."""
     return max(1, min(8, int(cpus)))
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """Where each sample's encoded bytes are, and its label: files on a pyarrow filesystem
-    (`paths`), members of tar shards there (`members`: shard, offset, size; named `keys`), or the
-    values of an in-memory binary array (`blobs`, rows `rows` of `origin`)."""
-
-    origin: str  # the folder, shard or Parquet path it was found at, as the user gave it
-    labels: Optional[np.ndarray]  # int64 class ids; None for unlabelled images to predict
-    classes: Optional[tuple[str, ...]]  # the names of the class ids, where known
-    fs: Optional[pafs.FileSystem] = None
-    paths: Optional[np.ndarray] = None  # object array of paths inside `fs`
-    blobs: Optional[pa.Array] = None  # binary or large_binary
-    rows: Optional[np.ndarray] = None  # each blob's row in `origin`, for messages
-    shards: tuple[str, ...] = ()  # tar files inside `fs`
-    members: Optional[np.ndarray] = None  # int64 (n, 3): each image's shard, data offset and size
-    keys: Optional[np.ndarray] = None  # object array: each image's member name
-
-    def __len__(self) -> int:
-        for held in (self.paths, self.members, self.blobs):
-            if held is not None:
-                return len(held)
-        return 0
-
-    def read(self, i: int) -> bytes:
-        if self.paths is not None:
-            with self.fs.open_input_file(self.paths[i]) as f:
-                return f.readall()
-        if self.members is not None:
-            shard, offset, size = (int(v) for v in self.members[i])
-            with self.fs.open_input_file(self.shards[shard]) as f:
-                f.seek(offset)
-                return f.read(size)
-        return self.blobs[i].as_buffer()
-
-    def name(self, i: int) -> str:
-        """How a message names sample i: its file, its shard and member, or its row."""
-        if self.paths is not None:
-            return str(self.paths[i])
-        if self.members is not None:
-            return f"{self.shards[int(self.members[i][0])]}:{self.keys[i]}"
-        return f"{self.origin} row {int(self.rows[i])}"
-
-    def take(self, idx: np.ndarray) -> "Encoded":
-        labels = None if self.labels is None else self.labels[idx]
-        if self.paths is not None:
-            return replace(self, labels=labels, paths=self.paths[idx])
-        if self.members is not None:
-            return replace(self, labels=labels, members=self.members[idx], keys=self.keys[idx])
-        return replace(self, labels=labels, blobs=self.blobs.take(pa.array(idx)), rows=self.rows[idx])
-
-    @property
-    def num_classes(self) -> Optional[int]:
-        if self.classes:
-            return len(self.classes)
-        return int(self.labels.max()) + 1 if self.labels is not None and len(self.labels) else None
-
-
-def _kind(path: str) -> str:
-    """How `path` holds its images: "parquet", "tar" (WebDataset shards) or "folder" (image files):
-    by its suffix, or for a folder by the files in it (Parquet first, then shards, then images)."""
-    lower = path.lower().rstrip("/")
-    if lower.endswith(".parquet"):
-        return "parquet"
-    if lower.endswith(".tar"):
-        return "tar"
-    if lower.endswith(IMAGE_SUFFIXES):
-        return "folder"
-    fs, inside = storage.filesystem_for(path)
-    if _info(fs, inside, path).type != pafs.FileType.Directory:
-        return "parquet"  # a file of another name: read as Parquet, or said not to be
-    names = [f.path.lower() for f in _listing(fs, inside, path) if f.type == pafs.FileType.File]
-    if any(name.endswith(".parquet") for name in names):
-        return "parquet"
-    has_images = any(name.endswith(IMAGE_SUFFIXES) for name in names)
-    return "tar" if any(name.endswith(".tar") for name in names) and not has_images else "folder"
-
-
-def find(path: str, labelled: bool = True, column: str = "image", label: str = "label",
-         classes: Optional[Sequence[str]] = None) -> Encoded:
-    """The images `path` names: an ImageFolder tree (ROOT/CLASS_NAME/IMAGE, classes numbered in
-    sorted order, as torchvision's ImageFolder numbers them), Parquet file(s) with an image column,
-    WebDataset tar shards (a shard, or a folder of them), or, unlabelled, one image or a folder of
-    images. `classes`: the names a model was trained on, which number this data's classes instead
-    of its own."""
-    kind = _kind(path)
-    if kind == "parquet":
-        return _parquet(path, labelled, column, label, classes)
-    if kind == "tar":
-        return _tars(path, labelled, classes)
-    return _folder(path, labelled, classes)
-
-
-def _info(fs: pafs.FileSystem, inside: str, shown: str) -> pafs.FileInfo:
-    try:
-        info = fs.get_file_info(inside)
-    except (OSError, pa.ArrowException) as e:
-        raise UserError(f"cannot read {shown}: {storage.explain(e)}") from None
-    if info.type == pafs.FileType.NotFound:
-        raise UserError(f"{shown}: no such file or directory")
-    return info
-
-
-def _listing(fs: pafs.FileSystem, inside: str, shown: str) -> list[pafs.FileInfo]:
-    try:
-        return fs.get_file_info(pafs.FileSelector(inside, recursive=True))
-    except (OSError, pa.ArrowException) as e:
-        raise UserError(f"cannot list {shown}: {storage.explain(e)}") from None
-
-
-def _folder(path: str, labelled: bool, classes: Optional[Sequence[str]]) -> Encoded:
-    fs, root = storage.filesystem_for(path)
-    if _info(fs, root, path).type == pafs.FileType.File:  # one image to predict
-        return Encoded(path, None, None, fs, np.array([root], dtype=object))
-    files = sorted(f.path for f in _listing(fs, root, path)
-                   if f.type == pafs.FileType.File and f.path.lower().endswith(IMAGE_SUFFIXES))
-    if not files:
-        raise UserError(f"{path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-    if not labelled:
-        return Encoded(path, None, None, fs, np.array(files, dtype=object))
-    folders = [posixpath.relpath(f, root).split("/")[0] if "/" in posixpath.relpath(f, root) else None for f in files]
-    if None in folders:
-        loose = files[folders.index(None)]
-        raise UserError(f"{path}: {posixpath.basename(loose)} is not in a class folder "
-                        "(expected ROOT/CLASS_NAME/IMAGE)")
-    found = sorted(set(folders))
-    known = list(classes) if classes else found
-    unknown = [name for name in found if name not in known]
-    if unknown:
-        raise UserError(f"{path}: class folder '{unknown[0]}' is not one of the {len(known)} classes trained on "
-                        f"({', '.join(known[:20])})")
-    ids = {name: i for i, name in enumerate(known)}
-    labels = np.array([ids[name] for name in folders], dtype=np.int64)
-    return Encoded(path, labels, tuple(known), fs, np.array(files, dtype=object))
-
-
-def _tars(path: str, labelled: bool, classes: Optional[Sequence[str]]) -> Encoded:
-    """WebDataset shards: uncompressed tar files whose members sharing a key (the member's name up
-    to the first dot of its file name) make one sample: an image (`KEY.jpg`, `KEY.png`, ...) and,
-    for training, its label in `KEY.cls` (a class id, or a class name). The headers are read once;
-    each image is read at its offset when sampled."""
-    fs, inside = storage.filesystem_for(path)
-    if _info(fs, inside, path).type == pafs.FileType.File:
-        shards = [inside]
-    else:
-        shards = sorted(f.path for f in _listing(fs, inside, path)
-                        if f.type == pafs.FileType.File and f.path.lower().endswith(".tar"))
-    images: dict[tuple[int, str], tuple[int, int, str]] = {}
-    labels: dict[tuple[int, str], str] = {}
-    for s, shard in enumerate(shards):
-        try:
-            with fs.open_input_file(shard) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    folder, base = posixpath.split(member.name)
-                    stem, _, extension = base.partition(".")
-                    key = (s, posixpath.join(folder, stem))
-                    if f".{extension.lower()}" in IMAGE_SUFFIXES:
-                        images[key] = (member.offset_data, member.size, member.name)
-                    elif extension.lower() == "cls" and labelled:
-                        labels[key] = tar.extractfile(member).read().decode().strip()
-        except (tarfile.TarError, OSError, pa.ArrowException, UnicodeDecodeError) as e:
-            raise UserError(f"{shard}: not a readable tar shard ({e})") from None
-    if not images:
-        raise UserError(f"{path} holds no images in tar shards (KEY.jpg, KEY.png, ... members)")
-    keys = sorted(images)
-    members = np.array([(s, *images[(s, k)][:2]) for s, k in keys], dtype=np.int64)
-    named = np.array([images[key][2] for key in keys], dtype=object)
-    found = Encoded(path, None, None, fs, shards=tuple(shards), members=members, keys=named)
-    if not labelled:
-        return found
-    missing = next((key for key in keys if key not in labels), None)
-    if missing:
-        raise UserError(f"{shards[missing[0]]}: {missing[1]} has no label (a {missing[1]}.cls member)")
-    values = [labels[key] for key in keys]
-    if not classes and all(v.lstrip("-").isdigit() for v in values):  # class ids
-        ids = np.array([int(v) for v in values], dtype=np.int64)
-        return replace(found, labels=ids)
-    known = list(classes) if classes else sorted(set(values))
-    unknown = next((v for v in values if v not in known), None)
-    if unknown is not None:
-        raise UserError(f"{path}: label '{unknown}' is not one of the {len(known)} classes trained on "
-                        f"({', '.join(known[:20])})")
-    ids = {name: i for i, name in enumerate(known)}
-    return replace(found, labels=np.array([ids[v] for v in values], dtype=np.int64), classes=tuple(known))
-
-
-def _parquet(path: str, labelled: bool, column: str, label: str, classes: Optional[Sequence[str]]) -> Encoded:
-    fs, inside = storage.filesystem_for(path)
-    _info(fs, inside, path)
-    try:
-        table = pq.read_table(inside, filesystem=fs)
-    except (OSError, pa.ArrowException) as e:
-        raise UserError(f"cannot read {path} as Parquet: {storage.explain(e)}") from None
-    if column not in table.column_names:
-        raise UserError(f"{path}: no image column '{column}' (columns: {', '.join(table.column_names)}; "
-                        "set data.args.column)")
-    blobs = table.column(column).combine_chunks()
-    if pa.types.is_struct(blobs.type):  # Hugging Face's Image feature: {bytes, path}
-        if blobs.type.get_field_index("bytes") < 0:
-            raise UserError(f"{path}: image column '{column}' is a struct without a 'bytes' field")
-        blobs = blobs.field("bytes")
-    if not (pa.types.is_binary(blobs.type) or pa.types.is_large_binary(blobs.type)):
-        raise UserError(f"{path}: image column '{column}' holds {blobs.type}, not encoded image bytes "
-                        "(a binary column, or a struct of bytes and path)")
-    if blobs.null_count:
-        row = int(np.flatnonzero(blobs.is_null().to_numpy(zero_copy_only=False))[0])
-        raise UserError(f"{path} row {row}: image column '{column}' is empty")
-    rows = np.arange(len(blobs))
-    if not labelled:
-        return Encoded(path, None, None, blobs=blobs, rows=rows)
-    if label not in table.column_names:
-        raise UserError(f"{path}: no label column '{label}' (columns: {', '.join(table.column_names)}; "
-                        "set data.args.label)")
-    values = table.column(label).combine_chunks()
-    named = classes or _declared_classes(table.schema, label)
-    if is_text(values.type):
-        named = named or class_names([values], path, label)
-        labels = class_ids(values, list(named), path, label)
-    else:
-        if values.null_count:
-            raise UserError(f"{path}: label column '{label}' has empty values")
-        labels = values.to_numpy(zero_copy_only=False).astype(np.int64)
-        if named and len(labels) and (labels.min() < 0 or labels.max() >= len(named)):
-            raise UserError(f"{path}: label column '{label}' holds class id {int(labels.max())}, but there are "
-                            f"{len(named)} classes")
-    return Encoded(path, labels, tuple(named) if named else None, blobs=blobs, rows=rows)
-
-
-def _declared_classes(schema: pa.Schema, label: str) -> Optional[list[str]]:
-    """Class names a Parquet file declares: `raytrain-app convert`'s metadata, or the Hugging Face
-    ClassLabel feature's names."""
-    meta = schema.metadata or {}
-    if b"raytrain.classes" in meta:
-        return json.loads(meta[b"raytrain.classes"])
-    if b"huggingface" in meta:
-        feature = json.loads(meta[b"huggingface"]).get("info", {}).get("features", {}).get(label, {})
-        return feature.get("names") if feature.get("_type") == "ClassLabel" else None
-    return None
 
 
 def decode(data: bytes, name: str) -> torch.Tensor:
@@ -304,8 +58,6 @@ def decode(data: bytes, name: str) -> torch.Tensor:
         reason = str(e).rsplit(", ", 1)[-1].strip()
         if "Unsupported image file" not in reason:
             raise UserError(f"{name}: not a readable image ({reason})") from None
-    import io
-
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -317,9 +69,24 @@ def decode(data: bytes, name: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Crop:
+    """A training sample's drawn augmentation: the box it cuts from the decoded image, and whether
+    it flips. Drawn where the sample is read, applied where it is decoded (the same place, unless
+    the training process decodes on its device)."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool
+
+
+@dataclass(frozen=True)
 class Transforms:
     """How pixels become the model's input: the training augmentation and the evaluation
-    transform, as the config gives them (and the checkpoint keeps them, `recipe`)."""
+    transform, as the config gives them (and the checkpoint keeps them, `recipe`). Drawing a
+    crop is apart from applying it, so that a sample's draws happen in a loader process (from its
+    seed) while a GPU decodes and cuts it (`decode: device`)."""
 
     size: int = 224  # the crop the model sees: size x size
     resize: Optional[int] = None  # evaluation resizes the shorter side to this, then crops; None: size / 0.875
@@ -333,21 +100,44 @@ class Transforms:
     def eval_resize(self) -> int:
         return self.resize or round(self.size / 0.875)
 
-    def train(self):
+    def draw(self, height: int, width: int) -> Crop:
+        """A random crop and flip for an image of height x width, from torch's CPU generator (which
+        the caller seeds per sample): transforms.v2's RandomResizedCrop and RandomHorizontalFlip draws."""
         import torchvision.transforms.v2 as T
 
-        return T.Compose([T.RandomResizedCrop(self.size, scale=self.scale, ratio=self.ratio, antialias=True),
-                          *([T.RandomHorizontalFlip()] if self.flip else []), *self._normalise()])
+        box = T.RandomResizedCrop(self.size, scale=self.scale, ratio=self.ratio).make_params(
+            [torch.empty((), dtype=torch.uint8).expand(3, height, width)])
+        return Crop(**box, flip=self.flip and bool(torch.rand(1) < 0.5))
 
-    def eval(self):
-        import torchvision.transforms.v2 as T
+    def cut(self, pixels: torch.Tensor, crop: Optional[Crop] = None) -> torch.Tensor:
+        """uint8 pixels (C x H x W, or a batch of one size) cut to size x size, on their device:
+        the drawn crop resized (and flipped) in training; in evaluation (no crop) the shorter side
+        resized to `eval_resize` and the centre cut."""
+        import torchvision.transforms.v2.functional as F
 
-        return T.Compose([T.Resize(self.eval_resize, antialias=True), T.CenterCrop(self.size), *self._normalise()])
+        if crop is None:
+            return F.center_crop(F.resize(pixels, [self.eval_resize], antialias=True), [self.size])
+        x = F.resized_crop(pixels, crop.top, crop.left, crop.height, crop.width, [self.size, self.size],
+                           antialias=True)
+        return F.horizontal_flip(x) if crop.flip else x
 
-    def _normalise(self):
-        import torchvision.transforms.v2 as T
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """Cut uint8 pixels (one image or a batch) as the model's float input."""
+        import torchvision.transforms.v2.functional as F
 
-        return [T.ToDtype(torch.float32, scale=True), T.Normalize(list(self.mean), list(self.std))]
+        return F.normalize(F.to_dtype(x, torch.float32, scale=True), list(self.mean), list(self.std))
+
+
+def jpeg_size(data: bytes, name: str) -> tuple[int, int]:
+    """A JPEG's height and width, from its header alone (Pillow reads no further until asked)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as e:
+        raise UserError(f"{name}: not a readable image ({e})") from None
+    return height, width
 
 
 @dataclass
@@ -358,15 +148,28 @@ class BadImage:
     line: str
 
 
+@dataclass
+class Undecoded:
+    """A sample the training process decodes on its device (`decode: device`): a JPEG's bytes, or
+    the pixels of an image in another format, which the loader process decoded; with its crop."""
+
+    data: torch.Tensor  # uint8: the encoded bytes (1-D) where `encoded`, else pixels (C x H x W)
+    encoded: bool
+    crop: Optional[Crop]  # None: the evaluation transform
+    label: int
+    name: str
+
+
 class EncodedImages(Dataset):
-    """(pixels, label) pairs decoded and transformed on reading. Keys are sample indices, or
-    (index, seed, epoch) from `DrawnShard`, which fix the sample's random draws."""
+    """(pixels, label) pairs decoded and transformed on reading; with `decode: device`, a loader's
+    batches (`__getitems__`) keep their JPEGs encoded (`Undecoded`) until the training process
+    decodes them on its device (`decode_batch`). Keys are sample indices, or (index, seed, epoch)
+    from `DrawnShard`, which fix the sample's random draws."""
 
     def __init__(self, source: Encoded, transforms: Transforms, train: bool, on_bad: str = "error",
-                 column: str = "image", label: str = "label"):
+                 column: str = "image", label: str = "label", decode: str = "loader"):
         self.source, self.transforms, self.train, self.on_bad = source, transforms, train, on_bad
-        self.column, self.label = column, label
-        self.transform = transforms.train() if train else transforms.eval()
+        self.column, self.label, self.decode = column, label, decode
         # Bad images skipped so far, one slot per loader process: shared memory, which the
         # processes a DataLoader forks write and the training process reads (`skipped`).
         self.skips = torch.zeros(MAX_LOADER_PROCESSES + 1, dtype=torch.int64).share_memory_()
@@ -375,32 +178,47 @@ class EncodedImages(Dataset):
         return len(self.source)
 
     def __getitem__(self, key: Union[int, tuple[int, int, int]]):
+        return self._read(key, on_device=False)
+
+    def __getitems__(self, keys: list):
+        """A DataLoader's batch of samples; with `decode: device`, still to decode (`Undecoded`)."""
+        return [self._read(key, on_device=self.decode == "device") for key in keys]
+
+    def _read(self, key: Union[int, tuple[int, int, int]], on_device: bool):
         i, seed, epoch = key if isinstance(key, tuple) else (key, None, None)
         name = self.source.name(i)
         try:
-            pixels = decode(self.source.read(i), name)
+            data = self.source.read(i)
+            later = on_device and data[:3] == JPEG_MAGIC
+            pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8) if later else decode(data, name)
+            height, width = jpeg_size(data, name) if later else pixels.shape[-2:]
         except UserError as e:
-            if self.on_bad == "skip":
-                self._count_skip()
-                return None
-            return BadImage(f"{e.lines[0]}; set data.args.on_bad: skip to train without such images")
+            return self._bad(e.lines[0])
         except (OSError, pa.ArrowException) as e:
             return BadImage(f"cannot read {name}: {storage.explain(e)}")
-        if seed is None or not self.train:
-            x = self.transform(pixels)
-        else:
-            with torch.random.fork_rng(devices=[]):  # the CPU generator's only: torch.manual_seed would queue
-                # a CUDA seeding with its stack trace, a millisecond a sample
-                torch.default_generator.manual_seed(((seed * 1_000_003 + epoch) * 1_000_000_007 + i) % 2**63)
-                x = self.transform(pixels)
+        crop = self._draw(height, width, i, seed, epoch) if self.train else None
         label = -1 if self.source.labels is None else int(self.source.labels[i])
-        return x, label
+        if on_device:
+            return Undecoded(pixels, later, crop, label, name)
+        return self.transforms.normalise(self.transforms.cut(pixels, crop)), label
 
-    def _count_skip(self) -> None:
-        from torch.utils.data import get_worker_info
+    def _draw(self, height: int, width: int, i: int, seed: Optional[int], epoch: Optional[int]) -> Crop:
+        if seed is None:
+            return self.transforms.draw(height, width)
+        with torch.random.fork_rng(devices=[]):  # the CPU generator's only: torch.manual_seed would queue
+            # a CUDA seeding with its stack trace, a millisecond a sample
+            torch.default_generator.manual_seed(((seed * 1_000_003 + epoch) * 1_000_000_007 + i) % 2**63)
+            return self.transforms.draw(height, width)
 
-        worker = get_worker_info()
-        self.skips[0 if worker is None else 1 + worker.id % MAX_LOADER_PROCESSES] += 1
+    def _bad(self, line: str) -> Optional[BadImage]:
+        """None for a bad image skipped (and counted); else the line to stop the run with."""
+        if self.on_bad == "skip":
+            from torch.utils.data import get_worker_info
+
+            worker = get_worker_info()
+            self.skips[0 if worker is None else 1 + worker.id % MAX_LOADER_PROCESSES] += 1
+            return None
+        return BadImage(f"{line}; set data.args.on_bad: skip to train without such images")
 
     def skipped(self) -> int:
         """Bad images skipped so far, over this dataset's loader processes."""
@@ -408,15 +226,54 @@ class EncodedImages(Dataset):
 
     @staticmethod
     def collate(samples: list):
-        """A batch of the samples that decoded; a bad one's line, where bad images are errors."""
+        """A batch of the samples that decoded (a list of them where the training process
+        decodes); a bad one's line, where bad images are errors."""
         bad = next((s for s in samples if isinstance(s, BadImage)), None)
         if bad:
             return bad
         kept = [s for s in samples if s is not None]
         if not kept:
-            return BadImage("every image of a batch was unreadable and skipped; check the data "
-                            f"({len(samples)} images in a row)")
-        return default_collate(kept)
+            return BadImage(every_image_skipped(len(samples)))
+        return kept if isinstance(kept[0], Undecoded) else default_collate(kept)
+
+    def decode_batch(self, samples: list[Undecoded], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Undecoded samples as the model's input and labels on `device`: the JPEGs decoded there
+        in one call (nvjpeg on a GPU), every image cut by its crop, the batch normalised. A JPEG the
+        batch decoder rejects is decoded on its own, then by the CPU decoders (which read what
+        nvjpeg does not, CMYK for one); one that none reads is bad (`on_bad`)."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        jpegs = [s for s in samples if s.encoded]
+        try:
+            decoded = decode_jpeg([s.data for s in jpegs], mode=ImageReadMode.RGB, device=device) if jpegs else []
+        except RuntimeError:  # one of them does not decode here: each on its own, to name it
+            decoded = [self._decode_one(s, device) for s in jpegs]
+        decoded = iter(decoded)
+        cut, labels = [], []
+        for sample in samples:
+            pixels = next(decoded) if sample.encoded else sample.data.to(device, non_blocking=True)
+            if pixels is not None:
+                cut.append(self.transforms.cut(pixels, sample.crop))
+                labels.append(sample.label)
+        if not cut:
+            raise UserError(every_image_skipped(len(samples)))
+        x = self.transforms.normalise(torch.stack(cut))
+        return x, torch.tensor(labels, dtype=torch.int64).to(device, non_blocking=True)
+
+    def _decode_one(self, sample: Undecoded, device: torch.device) -> Optional[torch.Tensor]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        try:
+            return decode_jpeg(sample.data, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            pass
+        try:
+            return decode(sample.data.numpy().tobytes(), sample.name).to(device)
+        except UserError as e:
+            bad = self._bad(e.lines[0])
+        if bad is not None:
+            raise UserError(bad.line)
+        return None
 
     @property
     def num_classes(self) -> Optional[int]:
@@ -431,11 +288,19 @@ class EncodedImages(Dataset):
                 "classes": list(self.source.classes) if self.source.classes else None}
 
 
+def every_image_skipped(n: int) -> str:
+    return f"every image of a batch was unreadable and skipped; check the data ({n} images in a row)"
+
+
 @dataclass
 class CheckedBatches:
-    """A DataLoader over EncodedImages that raises a bad image's one line where it is met."""
+    """A DataLoader over EncodedImages that raises a bad image's one line where it is met. With
+    `decode: device` it decodes each batch on `device` a batch ahead of the one being trained,
+    on a CUDA stream of its own: the decoding (nvjpeg's hardware engine, where the GPU has one)
+    and the cutting overlap the step, which waits only for its own batch."""
 
     loader: object
+    device: torch.device = torch.device("cpu")
     dataset: EncodedImages = field(init=False)
 
     def __post_init__(self):
@@ -448,17 +313,44 @@ class CheckedBatches:
         return getattr(self.loader, name)
 
     def __iter__(self):
+        if self.dataset.decode != "device":
+            yield from map(self._checked, self.loader)
+            return
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        ready = None
         for batch in self.loader:
-            if isinstance(batch, BadImage):
-                raise UserError(batch.line)
-            yield batch
+            if side is not None:  # the last batch's cutting is done (it was queued a step ago), so the memory it
+                side.synchronize()  # freed is free: nvjpeg writes its output on a stream of its own, not this one
+            with torch.cuda.stream(side) if side is not None else nullcontext():
+                x, y = self.dataset.decode_batch(self._checked(batch), self.device)
+                decoded = side.record_event() if side is not None else None
+            if ready is not None:
+                yield self._waited(*ready)
+            ready = x, y, decoded
+        if ready is not None:
+            yield self._waited(*ready)
+
+    @staticmethod
+    def _checked(batch):
+        if isinstance(batch, BadImage):
+            raise UserError(batch.line)
+        return batch
+
+    def _waited(self, x: torch.Tensor, y: torch.Tensor, decoded: Optional["torch.cuda.Event"]):
+        """The batch, once the training stream waits for its decoding (and keeps its memory alive)."""
+        if decoded is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(decoded)
+            x.record_stream(current)
+            y.record_stream(current)
+        return x, y
 
 
 def images(path: str, eval_fraction: float, split_seed: int, eval_path: Optional[str] = None, size: int = 224,
            resize: Optional[int] = None, scale: tuple[float, float] = (0.08, 1.0),
            ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True,
            mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
-           column: str = "image", label: str = "label", on_bad: str = "error"):
+           column: str = "image", label: str = "label", on_bad: str = "error", decode: str = "loader"):
     """Encoded images (JPEG, PNG, ...) from an ImageFolder tree (ROOT/CLASS_NAME/IMAGE, local or a
     URI) or Parquet files with image bytes (the Hugging Face layout, a struct of bytes and path,
     or a binary column `column`) and a label column `label` (class ids or names). Training crops
@@ -467,9 +359,14 @@ def images(path: str, eval_fraction: float, split_seed: int, eval_path: Optional
     `resize` (default size / 0.875) and crops the centre. `path` may also be WebDataset tar
     shards (KEY.jpg beside KEY.cls). The eval set is `eval_path`, or else a
     seeded `eval_fraction` of the images. `on_bad`: an image that does not decode stops the run
-    with its name (`error`), or is skipped and counted in each epoch's `skipped_images` (`skip`)."""
+    with its name (`error`), or is skipped and counted in each epoch's `skipped_images` (`skip`).
+    `decode`: `loader` decodes and cuts every image in the DataLoader's processes, on their CPUs;
+    `device` leaves JPEGs encoded until the training process decodes each batch of them on its
+    device (nvjpeg on a GPU) and cuts them there."""
     if on_bad not in ON_BAD:
         raise UserError(f"data.args.on_bad must be one of {', '.join(ON_BAD)}, got {on_bad!r}")
+    if decode not in DECODE:
+        raise UserError(f"data.args.decode must be one of {', '.join(DECODE)}, got {decode!r}")
     transforms = Transforms(size, resize, tuple(scale), tuple(ratio), flip, tuple(mean), tuple(std))
     if len(transforms.mean) != 3 or len(transforms.std) != 3:
         raise UserError("data.args.mean and std take three values, one per colour channel (RGB)")
@@ -482,8 +379,8 @@ def images(path: str, eval_fraction: float, split_seed: int, eval_path: Optional
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(split_seed)).numpy()
         n_eval = max(1, round(len(train) * eval_fraction))
         train, evaluated = train.take(np.sort(order[n_eval:])), train.take(np.sort(order[:n_eval]))
-    return (EncodedImages(train, transforms, True, on_bad, column, label),
-            EncodedImages(evaluated, transforms, False, on_bad, column, label))
+    return (EncodedImages(train, transforms, True, on_bad, column, label, decode),
+            EncodedImages(evaluated, transforms, False, on_bad, column, label, decode))
 
 
 def transforms_of(recipe: dict) -> Transforms:
@@ -507,17 +404,14 @@ class ImagePreprocess(nn.Module):
 
     def __init__(self, recipe: dict):
         super().__init__()
-        transforms = transforms_of(recipe)
-        import torchvision.transforms.v2 as T
-
-        self.resize = T.Compose([T.Resize(transforms.eval_resize, antialias=True), T.CenterCrop(transforms.size)])
+        self.transforms = transforms_of(recipe)
         self.normalise = ImageNormalise(recipe)
 
     def forward(self, x) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
-            x = self.resize(x)
+            x = self.transforms.cut(x)
         else:
-            x = torch.stack([self.resize(pixels(item)) for item in x])
+            x = torch.stack([self.transforms.cut(pixels(item)) for item in x])
         return self.normalise(x)
 
 

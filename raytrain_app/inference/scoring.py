@@ -31,7 +31,8 @@ from raytrain_app.config import JobConfig, registry, updated
 from raytrain_app.config.resolve import absolute_paths
 from raytrain_app.console import count
 from raytrain_app.data import labelled_files, tables
-from raytrain_app.data.images import Encoded, find, labelled
+from raytrain_app.data.image_sources import Encoded, find
+from raytrain_app.data.images import labelled
 from raytrain_app.data.parquet_files import is_csv
 from raytrain_app.data.preprocess import feature_columns
 from raytrain_app.errors import TrainingFailed, UserError, last_line
