@@ -8,6 +8,7 @@ counted; and each sample's random crop fixed by (seed, epoch, sample).
 import io
 import json
 import os
+import resource
 
 import numpy as np
 import pyarrow as pa
@@ -157,7 +158,9 @@ def test_parquet_in_the_hugging_face_layout_and_a_binary_column_of_names_train(t
     plain = tmp_path / "plain.parquet"
     pq.write_table(pa.table({"jpeg": pa.array([data for _, _, data in rows], pa.binary()),
                              "kind": [CLASSES[label] for label, _, _ in reversed(rows)][::-1]}), plain)
-    result = fit(job(plain, column="jpeg", label="kind"), run_dir=str(tmp_path / "plain-run"), echo=lambda line: None)
+    # This one's JPEGs are decoded by the training process (`decode: device`; here on the CPU).
+    result = fit(job(plain, column="jpeg", label="kind", decode="device"), run_dir=str(tmp_path / "plain-run"),
+                 echo=lambda line: None)
     assert metric_rows(result.run_dir)[-1]["eval_accuracy"] > 0.9
     assert load_model(result.run_dir).class_names == CLASSES  # the sorted names
 
@@ -238,6 +241,24 @@ def test_a_samples_crop_depends_on_the_seed_epoch_and_sample_not_on_who_reads_it
     for key, x in on_device.items():
         assert torch.equal(x, one[key])
     assert data.input_shape == (3, 16, 16)
+
+
+@pytest.mark.timeout(90)
+def test_a_large_batch_decoded_on_the_device_takes_no_open_file_per_image(tmp_path):
+    """Loader processes hand a batch to the training process through shared memory, a file per
+    tensor: a tensor per image would exhaust a usual limit of open files at ImageNet's batch sizes.
+    (Then a loader process cannot send its batch, and the loader waits: so the time limit.)"""
+    data = build_datasets(DataConfig(name="images", eval_fraction=0.01,
+                                     args={"path": str(image_folder(tmp_path / "photos", n=100)), "size": 16,
+                                           "decode": "device"}))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 160), hard))
+    try:
+        loader, _ = train_loader(data, 256, 0, 1, seed=0, workers=2, pin=False)
+        sizes = [len(x) for x, _ in loader]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert sizes == [256, len(data.train) - 256]
 
 
 @pytest.mark.slow

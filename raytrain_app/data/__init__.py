@@ -263,7 +263,7 @@ def _loader(dataset: Dataset, sampler: Sampler, batch_size: int, workers: int, p
                         collate_fn=collate, pin_memory=pin, persistent_workers=workers > 0,
                         generator=torch.Generator().manual_seed(seed))
     if isinstance(dataset, EncodedImages):
-        return CheckedBatches(loader, device if device is not None else torch.device("cpu"))
+        return CheckedBatches(loader, device)
     return loader
 
 

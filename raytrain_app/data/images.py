@@ -22,7 +22,8 @@ from __future__ import annotations
 import io
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from functools import cached_property
+from typing import Callable, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -53,19 +54,30 @@ def decode(data: bytes, name: str) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_image
 
     try:
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        return decode_image(_bytes_tensor(data), mode=ImageReadMode.RGB)
     except RuntimeError as e:
         reason = str(e).rsplit(", ", 1)[-1].strip()
         if "Unsupported image file" not in reason:
             raise UserError(f"{name}: not a readable image ({reason})") from None
+    pixels = with_pillow(data, name, lambda image: np.asarray(image.convert("RGB"), dtype=np.uint8))
+    return torch.from_numpy(pixels.transpose(2, 0, 1).copy())
+
+
+def jpeg_size(data: bytes, name: str) -> tuple[int, int]:
+    """A JPEG's height and width, from its header alone (Pillow reads no further until asked)."""
+    width, height = with_pillow(data, name, lambda image: image.size)
+    return height, width
+
+
+def with_pillow(data: bytes, name: str, use: Callable):
+    """`use` of the image Pillow opens from `data`; a UserError naming `name` where it cannot."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as image:
-            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+            return use(image)
     except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as e:
         raise UserError(f"{name}: not a readable image ({e})") from None
-    return torch.from_numpy(pixels.transpose(2, 0, 1).copy())
 
 
 @dataclass(frozen=True)
@@ -103,11 +115,14 @@ class Transforms:
     def draw(self, height: int, width: int) -> Crop:
         """A random crop and flip for an image of height x width, from torch's CPU generator (which
         the caller seeds per sample): transforms.v2's RandomResizedCrop and RandomHorizontalFlip draws."""
+        box = self._random_crop.make_params([torch.empty((), dtype=torch.uint8).expand(3, height, width)])
+        return Crop(**box, flip=self.flip and bool(torch.rand(1) < 0.5))
+
+    @cached_property
+    def _random_crop(self):
         import torchvision.transforms.v2 as T
 
-        box = T.RandomResizedCrop(self.size, scale=self.scale, ratio=self.ratio).make_params(
-            [torch.empty((), dtype=torch.uint8).expand(3, height, width)])
-        return Crop(**box, flip=self.flip and bool(torch.rand(1) < 0.5))
+        return T.RandomResizedCrop(self.size, scale=self.scale, ratio=self.ratio)
 
     def cut(self, pixels: torch.Tensor, crop: Optional[Crop] = None) -> torch.Tensor:
         """uint8 pixels (C x H x W, or a batch of one size) cut to size x size, on their device:
@@ -128,18 +143,6 @@ class Transforms:
         return F.normalize(F.to_dtype(x, torch.float32, scale=True), list(self.mean), list(self.std))
 
 
-def jpeg_size(data: bytes, name: str) -> tuple[int, int]:
-    """A JPEG's height and width, from its header alone (Pillow reads no further until asked)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-    except (OSError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as e:
-        raise UserError(f"{name}: not a readable image ({e})") from None
-    return height, width
-
-
 @dataclass
 class BadImage:
     """What a batch becomes when one of its images does not decode (`on_bad: error`): the line
@@ -150,11 +153,13 @@ class BadImage:
 
 @dataclass
 class Undecoded:
-    """A sample the training process decodes on its device (`decode: device`): a JPEG's bytes, or
-    the pixels of an image in another format, which the loader process decoded; with its crop."""
+    """A sample for the training process to decode and cut on its device (`decode: device`): a
+    JPEG's bytes, or the pixels of an image in another format, which the loader process decoded;
+    with its crop. Bytes and arrays, not tensors: a loader process sends each tensor of a batch
+    through a shared-memory file of its own, and a batch of 512 would open 512."""
 
-    data: torch.Tensor  # uint8: the encoded bytes (1-D) where `encoded`, else pixels (C x H x W)
-    encoded: bool
+    jpeg: Optional[bytes]
+    pixels: Optional[np.ndarray]  # uint8, C x H x W, where `jpeg` is None
     crop: Optional[Crop]  # None: the evaluation transform
     label: int
     name: str
@@ -189,9 +194,9 @@ class EncodedImages(Dataset):
         name = self.source.name(i)
         try:
             data = self.source.read(i)
-            later = on_device and data[:3] == JPEG_MAGIC
-            pixels = torch.frombuffer(bytearray(data), dtype=torch.uint8) if later else decode(data, name)
-            height, width = jpeg_size(data, name) if later else pixels.shape[-2:]
+            encoded = on_device and data[:3] == JPEG_MAGIC  # for the device to decode
+            pixels = None if encoded else decode(data, name)
+            height, width = jpeg_size(data, name) if encoded else pixels.shape[-2:]
         except UserError as e:
             return self._bad(e.lines[0])
         except (OSError, pa.ArrowException) as e:
@@ -199,10 +204,12 @@ class EncodedImages(Dataset):
         crop = self._draw(height, width, i, seed, epoch) if self.train else None
         label = -1 if self.source.labels is None else int(self.source.labels[i])
         if on_device:
-            return Undecoded(pixels, later, crop, label, name)
+            return Undecoded(bytes(data) if encoded else None, None if encoded else pixels.numpy(), crop, label, name)
         return self.transforms.normalise(self.transforms.cut(pixels, crop)), label
 
     def _draw(self, height: int, width: int, i: int, seed: Optional[int], epoch: Optional[int]) -> Crop:
+        """Sample i's crop: from its (seed, epoch, i) where the sampler gives them, so the same
+        wherever it is read; else from this process's generator."""
         if seed is None:
             return self.transforms.draw(height, width)
         with torch.random.fork_rng(devices=[]):  # the CPU generator's only: torch.manual_seed would queue
@@ -243,15 +250,18 @@ class EncodedImages(Dataset):
         nvjpeg does not, CMYK for one); one that none reads is bad (`on_bad`)."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        jpegs = [s for s in samples if s.encoded]
+        jpegs = [s for s in samples if s.jpeg is not None]
         try:
-            decoded = decode_jpeg([s.data for s in jpegs], mode=ImageReadMode.RGB, device=device) if jpegs else []
+            decoded = decode_jpeg([_bytes_tensor(s.jpeg) for s in jpegs], mode=ImageReadMode.RGB,
+                                  device=device) if jpegs else []
         except RuntimeError:  # one of them does not decode here: each on its own, to name it
+            if device.type == "cuda":  # outputs nvjpeg freed may still be written on its stream
+                torch.cuda.synchronize(device)
             decoded = [self._decode_one(s, device) for s in jpegs]
         decoded = iter(decoded)
         cut, labels = [], []
         for sample in samples:
-            pixels = next(decoded) if sample.encoded else sample.data.to(device, non_blocking=True)
+            pixels = next(decoded) if sample.jpeg is not None else torch.from_numpy(sample.pixels).to(device)
             if pixels is not None:
                 cut.append(self.transforms.cut(pixels, sample.crop))
                 labels.append(sample.label)
@@ -261,14 +271,16 @@ class EncodedImages(Dataset):
         return x, torch.tensor(labels, dtype=torch.int64).to(device, non_blocking=True)
 
     def _decode_one(self, sample: Undecoded, device: torch.device) -> Optional[torch.Tensor]:
+        """One JPEG of a batch the batch decoder refused, decoded on `device`, or else by the CPU
+        decoders; None where it is bad and skipped, a UserError naming it where bad is an error."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:
-            return decode_jpeg(sample.data, mode=ImageReadMode.RGB, device=device)
+            return decode_jpeg(_bytes_tensor(sample.jpeg), mode=ImageReadMode.RGB, device=device)
         except RuntimeError:
             pass
         try:
-            return decode(sample.data.numpy().tobytes(), sample.name).to(device)
+            return decode(sample.jpeg, sample.name).to(device)
         except UserError as e:
             bad = self._bad(e.lines[0])
         if bad is not None:
@@ -288,7 +300,13 @@ class EncodedImages(Dataset):
                 "classes": list(self.source.classes) if self.source.classes else None}
 
 
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    """Encoded bytes as the 1-D uint8 tensor torchvision's decoders take (a copy: bytes are read-only)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def every_image_skipped(n: int) -> str:
+    """What stops a run when a whole batch's images were bad and skipped: the data is not images."""
     return f"every image of a batch was unreadable and skipped; check the data ({n} images in a row)"
 
 
@@ -296,15 +314,17 @@ def every_image_skipped(n: int) -> str:
 class CheckedBatches:
     """A DataLoader over EncodedImages that raises a bad image's one line where it is met. With
     `decode: device` it decodes each batch on `device` a batch ahead of the one being trained,
-    on a CUDA stream of its own: the decoding (nvjpeg's hardware engine, where the GPU has one)
-    and the cutting overlap the step, which waits only for its own batch."""
+    its cutting on a CUDA stream of its own, so the step waits only for its own batch. nvjpeg's
+    call returns once its batch is decoded (on the GPU's hardware JPEG engine where it has one);
+    meanwhile the steps the loop queued ahead (it reads no value back per step) keep the GPU busy."""
 
     loader: object
-    device: torch.device = torch.device("cpu")
+    device: Optional[torch.device] = None  # None: the CPU
     dataset: EncodedImages = field(init=False)
 
     def __post_init__(self):
         self.dataset = self.loader.dataset
+        self.device = self.device or torch.device("cpu")
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -319,8 +339,10 @@ class CheckedBatches:
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         ready = None
         for batch in self.loader:
-            if side is not None:  # the last batch's cutting is done (it was queued a step ago), so the memory it
-                side.synchronize()  # freed is free: nvjpeg writes its output on a stream of its own, not this one
+            if side is not None:
+                # nvjpeg writes its outputs on a stream of its own, which waits for nothing of this one:
+                # once the last batch's cutting is done (queued a step ago), what it freed is free to reuse.
+                side.synchronize()
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 x, y = self.dataset.decode_batch(self._checked(batch), self.device)
                 decoded = side.record_event() if side is not None else None
