@@ -106,10 +106,15 @@ def test_the_cluster_is_asked_its_versions_and_a_mismatch_is_one_line_each(bare)
         "environment (the job runs the submitting machine's raytrain-app code there)",
         f"the cluster at X runs Ray 2.59.0 and this machine Ray {here.packages['ray']}: use the same Ray on both "
         "(pip install 'ray[default,train]==2.59.0' where the job is submitted)",
-        "the cluster at X has no torch, and raytrain-app needs torch>=2.4: install it in the cluster's image or "
-        "environment (jobs bring only pure-Python packages)",
-        "the cluster at X has pydantic 1.10.2, and raytrain-app needs pydantic>=2.5: install it in the cluster's "
-        "image or environment (jobs bring only pure-Python packages)"]
+        f"the cluster at X has no torch, and raytrain-app needs {declared('torch')}: install it in the cluster's "
+        "image or environment (jobs bring only pure-Python packages)",
+        f"the cluster at X has pydantic 1.10.2, and raytrain-app needs {declared('pydantic')}: install it in the "
+        "cluster's image or environment (jobs bring only pure-Python packages)"]
+
+
+def declared(name: str) -> str:
+    """What pyproject.toml's dependencies say of `name`, as written there (e.g. "torch>=2.6")."""
+    return re.search(rf'^\s*"({name}[<>=!~][^"]*)"', open(os.path.join(REPO, "pyproject.toml")).read(), re.M).group(1)
 
 
 def test_a_rayjobs_runtime_env_runs_its_entrypoint_on_the_bare_cluster(bare, tmp_path):
