@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import psutil
@@ -54,9 +53,8 @@ class Cluster:
             node = self.add_node()
             if wait_for_both_cpus(self.profile, node):
                 return node
-            log = Path(self.profile.temp_dir) / f"node-{len(self.added) + 1}.log"
-            said = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-            print(f"node {node.pid} died while joining: {said[-1] if said else '(no log)'}")
+            said = localnodes.last_line(localnodes.node_log(self.profile, len(self.added) + 1))
+            print(f"node {node.pid} died while joining: {said or '(no log)'}")
         pytest.fail("three nodes in turn died while joining the cluster (their logs are in its temp_dir)")
 
 

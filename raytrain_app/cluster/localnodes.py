@@ -60,7 +60,7 @@ def cluster_up(profile: ClusterProfile, echo: Callable[[str], None]) -> None:
         for i in range(profile.nodes):
             nodes.append(_start_node(profile, i, env, temp, ports))
             _record(profile, nodes)
-            _wait_for(profile, nodes=i + 1, node=nodes[-1], log=temp / f"node-{i}.log")
+            _wait_for(profile, nodes=i + 1, node=nodes[-1], log=node_log(profile, i))
             echo(f"node {i} up ({'head' if i == 0 else 'worker'}, pid {nodes[-1].pid})")
     except BaseException:
         stop_nodes(profile, [n.pid for n in nodes])
@@ -90,6 +90,17 @@ def add_node(profile: ClusterProfile, index: int) -> psutil.Process:
     and benchmarks grow a cluster with it); not recorded, so its caller stops it."""
     temp = Path(profile.temp_dir)
     return _start_node(profile, index, _node_env(profile), temp, json.loads((temp / PORTS_FILE).read_text()))
+
+
+def node_log(profile: ClusterProfile, index: int) -> Path:
+    """Where node `index` of a local cluster writes its `ray start --block` output."""
+    return Path(profile.temp_dir) / f"node-{index}.log"
+
+
+def last_line(log: Path) -> str:
+    """A node log's last line: why a node that exited did ("" for a log with nothing in it)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def _check_startable(profile: ClusterProfile, verb: str) -> None:
@@ -243,7 +254,7 @@ def _start_node(profile: ClusterProfile, i: int, env: dict, temp: Path, ports: d
                 "--ray-client-server-port", str(ports["client_port"])]
     else:
         cmd += ["--address", f"127.0.0.1:{ports['port']}", "--temp-dir", str(temp / str(i))]
-    with open(temp / f"node-{i}.log", "wb") as log:
+    with open(node_log(profile, i), "wb") as log:
         return psutil.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
@@ -254,9 +265,7 @@ def _wait_for(profile: ClusterProfile, nodes: int, node: psutil.Process, log: Pa
 
     def joined() -> int:
         if not _alive(node):
-            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-            raise UserError(f"a node of '{profile.name}' exited while starting: {lines[-1] if lines else '?'} "
-                            f"(log: {log})")
+            raise UserError(f"a node of '{profile.name}' exited while starting: {last_line(log) or '?'} (log: {log})")
         with suppress(UserError):  # the dashboard may not answer yet
             return len(dashboard.alive_nodes())
         return 0

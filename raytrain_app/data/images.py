@@ -20,7 +20,7 @@ and `evaluate --data` apply it to image files, folders and byte columns.
 from __future__ import annotations
 
 import io
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Optional, Union
@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from raytrain_app import storage
+from raytrain_app.data.cuda_streams import handed_over
 from raytrain_app.data.image_sources import Encoded, find
 from raytrain_app.errors import UserError
 
@@ -275,17 +276,15 @@ class EncodedImages(Dataset):
         decoders; None where it is bad and skipped, a UserError naming it where bad is an error."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        try:
+        with suppress(RuntimeError):
             return decode_jpeg(_bytes_tensor(sample.jpeg), mode=ImageReadMode.RGB, device=device)
-        except RuntimeError:
-            pass
         try:
             return decode(sample.jpeg, sample.name).to(device)
         except UserError as e:
             bad = self._bad(e.lines[0])
-        if bad is not None:
-            raise UserError(bad.line)
-        return None
+            if bad is not None:
+                raise UserError(bad.line) from None
+            return None
 
     @property
     def num_classes(self) -> Optional[int]:
@@ -347,25 +346,21 @@ class CheckedBatches:
                 x, y = self.dataset.decode_batch(self._checked(batch), self.device)
                 decoded = side.record_event() if side is not None else None
             if ready is not None:
-                yield self._waited(*ready)
+                yield self._handed_over(*ready)
             ready = x, y, decoded
         if ready is not None:
-            yield self._waited(*ready)
+            yield self._handed_over(*ready)
+
+    def _handed_over(self, x: torch.Tensor, y: torch.Tensor, decoded: Optional["torch.cuda.Event"]):
+        """The batch, as it goes to the step: only now does the step's stream wait for its decoding."""
+        handed_over(decoded, self.device, (x, y))
+        return x, y
 
     @staticmethod
     def _checked(batch):
         if isinstance(batch, BadImage):
             raise UserError(batch.line)
         return batch
-
-    def _waited(self, x: torch.Tensor, y: torch.Tensor, decoded: Optional["torch.cuda.Event"]):
-        """The batch, once the training stream waits for its decoding (and keeps its memory alive)."""
-        if decoded is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(decoded)
-            x.record_stream(current)
-            y.record_stream(current)
-        return x, y
 
 
 def images(path: str, eval_fraction: float, split_seed: int, eval_path: Optional[str] = None, size: int = 224,

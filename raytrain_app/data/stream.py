@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import Dataset
 
 from raytrain_app.data.arrays import ArrayDataset, channel_stats, resize_images
+from raytrain_app.data.cuda_streams import handed_over
 from raytrain_app.data.parquet_files import ParquetFiles, RowGroup, label_tensor
 from raytrain_app.data.preprocess import Stored
 from raytrain_app.errors import UserError
@@ -199,11 +200,7 @@ class StreamBatches:
         first, offset = divmod(self._done(), per_window)
         copies = torch.cuda.Stream(self.device) if self.device is not None else None
         for data, order, copied in read_ahead(self._on_device(window, copies) for window in self._windows(first)):
-            if copied is not None:  # the window's copy, made on the reader's stream, is done before it is used
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(copied)
-                for tensor in (data.x, data.y, data.mean, data.std, order):
-                    tensor.record_stream(current)  # not reused by the reader's stream while this one reads it
+            handed_over(copied, self.device, (data.x, data.y, data.mean, data.std, order))
             for s in range(offset * self.batch_size, len(order), self.batch_size):
                 yield data.__getitems__(order[s:s + self.batch_size])
             offset = 0
